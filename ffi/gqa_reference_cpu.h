@@ -1,0 +1,126 @@
+// The CPU reference semantics of gqa_decode / gqa_prefill (DESIGN.md, Ops): append the new
+// K/V at lengths[b], then causal (optionally windowed, soft-capped) GQA attention in f32.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda/dtypes.h"
+#include "cuda/gqa_params.h"
+#include "ffi/common.h"
+#include "ffi/cpu_parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_kv {
+
+// Host-side range check: the CPU handler may read lengths, so a bad value is an error before
+// any byte is written (the CUDA kernels latch a status instead).
+template <typename T>
+xla::ffi::Error CheckLengthsCpu(const GqaParams<T>& p) {
+  for (int b = 0; b < p.batch; ++b) {
+    const int64_t n = p.new_lengths ? p.new_lengths[b] : p.num_tokens;
+    const int64_t L = p.lengths[b];
+    if (n < 0 || n > p.num_tokens) {
+      return xla::ffi::Error::InvalidArgument(
+          "new_lengths[" + std::to_string(b) + "]=" + std::to_string(n) +
+          ": expected 0 <= new_lengths[b] <= T=" + std::to_string(p.num_tokens));
+    }
+    if (L < 0 || L + n > p.capacity) {
+      return xla::ffi::Error::InvalidArgument(
+          "lengths[" + std::to_string(b) + "]=" + std::to_string(L) +
+          ": expected 0 <= lengths[b] and lengths[b] + new tokens (" + std::to_string(n) +
+          ") <= capacity S=" + std::to_string(p.capacity));
+    }
+  }
+  return xla::ffi::Error::Success();
+}
+
+template <typename T>
+void RunGqaReferenceCpu(const GqaParams<T>& p) {
+  const int64_t D = p.head_dim, T_ = p.num_tokens, Hq = p.num_q_heads, Hkv = p.num_kv_heads;
+  const int64_t group = Hq / Hkv;
+  auto new_tokens = [&](int64_t b) -> int64_t {
+    return p.new_lengths ? p.new_lengths[b] : T_;
+  };
+  // 1. Append: the new tokens' K/V go to positions lengths[b] + t, t < new_lengths[b].
+  for (int64_t b = 0; b < p.batch; ++b) {
+    for (int64_t t = 0; t < new_tokens(b); ++t) {
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t src = ((b * T_ + t) * Hkv + h) * D;
+        const int64_t dst = kv_offset(p.cache, b, p.lengths[b] + t, h);
+        std::memcpy(p.k_cache + dst, p.k_new + src, D * sizeof(T));
+        std::memcpy(p.v_cache + dst, p.v_new + src, D * sizeof(T));
+      }
+    }
+  }
+  // 2. Attend: one work item per (b, kv head); its `group` query heads read the stripe.
+  ParallelFor(p.batch * Hkv, 1, [&](int64_t item) {
+    const int64_t b = item / Hkv, h = item % Hkv;
+    const int64_t L = p.lengths[b], n = new_tokens(b);
+    std::vector<float> qf(D), acc(D), scores(static_cast<size_t>(L + T_));
+    for (int64_t t = 0; t < T_; ++t) {
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t qh = h * group + g;
+        T* out = p.out + ((b * T_ + t) * Hq + qh) * D;
+        if (t >= n) {  // ragged prefill: rows past new_lengths[b] are zeros
+          for (int64_t d = 0; d < D; ++d) out[d] = from_float<T>(0.0f);
+          continue;
+        }
+        const T* q = p.q + ((b * T_ + t) * Hq + qh) * D;
+        for (int64_t d = 0; d < D; ++d) qf[d] = to_float(q[d]);
+        const int64_t hi = L + t;
+        const int64_t lo = p.window > 0 ? std::max<int64_t>(0, hi + 1 - p.window) : 0;
+        float m = -INFINITY;
+        for (int64_t s = lo; s <= hi; ++s) {
+          const T* k = p.k_cache + kv_offset(p.cache, b, s, h);
+          float dot = 0.0f;
+          for (int64_t d = 0; d < D; ++d) dot += qf[d] * to_float(k[d]);
+          float score = dot * p.scale;
+          if (p.softcap > 0.0f) score = p.softcap * std::tanh(score / p.softcap);
+          scores[s - lo] = score;
+          m = std::max(m, score);
+        }
+        float denom = 0.0f;
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t s = lo; s <= hi; ++s) {
+          const float w = std::exp(scores[s - lo] - m);
+          denom += w;
+          const T* v = p.v_cache + kv_offset(p.cache, b, s, h);
+          for (int64_t d = 0; d < D; ++d) acc[d] += w * to_float(v[d]);
+        }
+        for (int64_t d = 0; d < D; ++d) out[d] = from_float<T>(acc[d] / denom);
+      }
+    }
+  });
+  for (int64_t b = 0; b < p.batch; ++b) p.status[b] = JKV_STATUS_OK;
+}
+
+}  // namespace jax_kv
+
+namespace jax_kv {
+
+// Shared by the decode and prefill CPU handlers: check, fill params, check lengths, run.
+template <typename T>
+xla::ffi::Error GqaCpuImpl(xla::ffi::AnyBuffer q, xla::ffi::AnyBuffer k, xla::ffi::AnyBuffer v,
+                           xla::ffi::AnyBuffer k_cache, xla::ffi::AnyBuffer v_cache,
+                           xla::ffi::Buffer<xla::ffi::S32> lengths, const int32_t* new_lengths,
+                           xla::ffi::Result<xla::ffi::AnyBuffer> out,
+                           xla::ffi::Result<xla::ffi::Buffer<xla::ffi::S32>> status,
+                           xla::ffi::Result<xla::ffi::Buffer<xla::ffi::F32>> workspace,
+                           int32_t layout, float scale, float softcap, int32_t window,
+                           bool has_token_axis) {
+  GqaParams<T> p;
+  xla::ffi::Error err = FillGqaParams<T>(q, k, v, k_cache, v_cache, lengths, new_lengths, out,
+                                         status, workspace, layout, scale, softcap, window,
+                                         has_token_axis, &p);
+  if (err.failure()) return err;
+  err = CheckLengthsCpu(p);
+  if (err.failure()) return err;
+  RunGqaReferenceCpu(p);
+  return xla::ffi::Error::Success();
+}
+
+}  // namespace jax_kv

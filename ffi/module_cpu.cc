@@ -1,0 +1,26 @@
+// NB_MODULE(_ffi_cpu): hands the CPU handlers to Python as capsules for jax.ffi registration.
+#include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/api.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvGqaDecodeCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvGqaPrefillCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvGrowCacheCpu);
+
+namespace nb = nanobind;
+
+template <typename Fn>
+static nb::capsule Capsule(Fn* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+NB_MODULE(_ffi_cpu, m) {
+  m.doc() = "jax_kv CPU reference handlers (XLA FFI)";
+  m.def("registrations", []() {
+    nb::dict d;
+    d["jax_kv_gqa_decode"] = Capsule(JaxKvGqaDecodeCpu);
+    d["jax_kv_gqa_prefill"] = Capsule(JaxKvGqaPrefillCpu);
+    d["jax_kv_grow_cache"] = Capsule(JaxKvGrowCacheCpu);
+    return d;
+  });
+}

@@ -1,0 +1,118 @@
+"""Checks and attribute normalisation shared by the ops: one place turns Python values into
+the fixed C++ types the FFI handlers bind, so `scale=0.125` and `scale=np.float32(0.125)`
+produce the same compiled call."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kv import _ffi
+from jax_kv.layout import Layout
+
+SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def describe(x: Any) -> str:
+    return f"{jnp.dtype(x.dtype).name} {list(x.shape)}"
+
+
+def check_dtype(name: str, x: Any, dtype: Any) -> None:
+    if jnp.dtype(x.dtype) != jnp.dtype(dtype):
+        raise ValueError(f"{name}: expected dtype {jnp.dtype(dtype).name} (the dtype of q), "
+                         f"got {describe(x)}")
+
+
+def check_shape(name: str, x: Any, expected: tuple[int, ...], spelled: str) -> None:
+    if tuple(x.shape) != tuple(expected):
+        raise ValueError(f"{name}: expected {spelled} = {list(expected)}, got {describe(x)}")
+
+
+def check_lengths(name: str, lengths: Any, batch: int) -> np.ndarray | None:
+    """Checks dtype and shape; returns the values when they are known at trace time."""
+    if jnp.dtype(lengths.dtype) != jnp.int32 or tuple(lengths.shape) != (batch,):
+        raise ValueError(f"{name}: expected int32 [B={batch}], got {describe(lengths)}")
+    if isinstance(lengths, jax.core.Tracer):
+        return None
+    return np.asarray(lengths)
+
+
+def attention_attrs(
+    layout: Layout | str | int,
+    head_dim: int,
+    scale: float | None,
+    softcap: float | None,
+    window: int | None,
+) -> dict[str, np.generic]:
+    """FFI attributes of gqa_decode / gqa_prefill as the exact C++ types (int32, float32)."""
+    layout = Layout.parse(layout)
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale: expected a finite float, got {scale!r}")
+    if softcap is not None and not (math.isfinite(float(softcap)) and float(softcap) > 0):
+        raise ValueError(f"softcap: expected a finite float > 0 or None, got {softcap!r}")
+    if window is not None:
+        if isinstance(window, bool) or int(window) != window or int(window) <= 0:
+            raise ValueError(f"window: expected an int > 0 or None, got {window!r}")
+        if int(window) > np.iinfo(np.int32).max:
+            raise ValueError(f"window: expected <= {np.iinfo(np.int32).max}, got {window!r}")
+    return dict(
+        layout=np.int32(int(layout)),
+        scale=np.float32(scale),
+        softcap=np.float32(0.0 if softcap is None else softcap),
+        window=np.int32(0 if window is None else int(window)),
+    )
+
+
+def check_attention_inputs(
+    q: Any, k: Any, v: Any, k_cache: Any, v_cache: Any, layout: Layout, token_axis: bool
+) -> tuple[int, int, int, int, int, int]:
+    """Shape/dtype contract shared by decode (q [B, Hq, D]) and prefill (q [B, T, Hq, D]).
+
+    Returns (B, T, Hq, Hkv, D, S).
+    """
+    rank = 4 if token_axis else 3
+    q_spelled = "[B, T, Hq, D]" if token_axis else "[B, Hq, D]"
+    if q.ndim != rank:
+        raise ValueError(f"q: expected rank {rank} {q_spelled}, got {describe(q)}")
+    if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+        raise ValueError(f"q: expected dtype bfloat16, float16 or float32, got {describe(q)}")
+    B, Hq, D = q.shape[0], q.shape[-2], q.shape[-1]
+    T = q.shape[1] if token_axis else 1
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q: head_dim D must be one of {SUPPORTED_HEAD_DIMS}, got {describe(q)}")
+    cache_spelled = {Layout.HEAD_MAJOR: "[B, Hkv, S, D]", Layout.SEQ_MAJOR: "[B, S, Hkv, D]"}
+    if k_cache.ndim != 4:
+        raise ValueError(f"k_cache: expected rank 4 {cache_spelled[layout]} ({layout.name}), "
+                         f"got {describe(k_cache)}")
+    Bc, S, Hkv, Dc = layout.dims_of(k_cache.shape)
+    if Bc != B or Dc != D:
+        raise ValueError(f"k_cache: expected {cache_spelled[layout]} ({layout.name}) with B={B} "
+                         f"and D={D} from q, got {describe(k_cache)}")
+    if Hq % Hkv != 0:
+        raise ValueError(f"q: expected Hq to be a multiple of Hkv={Hkv} (from k_cache), "
+                         f"got Hq={Hq}")
+    check_shape("v_cache", v_cache, k_cache.shape, "the shape of k_cache")
+    kv_shape = (B, T, Hkv, D) if token_axis else (B, Hkv, D)
+    kv_spelled = "[B, T, Hkv, D]" if token_axis else "[B, Hkv, D]"
+    check_shape("k", k, kv_shape, kv_spelled)
+    check_shape("v", v, kv_shape, kv_spelled)
+    for name, x in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_dtype(name, x, q.dtype)
+    return B, T, Hq, Hkv, D, S
+
+
+def workspace_shape(op: str, batch: int, num_tokens: int, num_q_heads: int, head_dim: int,
+                    capacity: int) -> tuple[int]:
+    """Float32 scratch a handler may use (split-K partials). Sized here, never allocated by a
+    handler, so the handlers stay command-buffer compatible. Zero on CPU."""
+    cuda = _ffi.cuda_module()
+    if cuda is None or jax.default_backend() != "gpu" or not hasattr(cuda, "workspace_floats"):
+        return (0,)
+    return (int(cuda.workspace_floats(op, batch, num_tokens, num_q_heads, head_dim, capacity)),)

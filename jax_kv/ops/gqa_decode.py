@@ -1,0 +1,74 @@
+"""gqa_decode: one GQA decode step over a growing KV cache (XLA FFI target jax_kv_gqa_decode)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_kv import _ffi
+from jax_kv.layout import Layout
+from jax_kv.ops import _common
+
+
+def gqa_decode(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    lengths: jax.Array,
+    *,
+    layout: Layout | str | int,
+    scale: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+    return_status: bool = False,
+) -> tuple[jax.Array, ...]:
+    """One GQA decode step over a growing KV cache.
+
+    Writes the new token's K/V at position lengths[b], then attends over positions
+    [max(0, L + 1 - window), L] with L = lengths[b].
+
+    Args:
+        q: [B, Hq, D] query of the new token, already rotated.
+        k, v: [B, Hkv, D] key and value of the new token.
+        k_cache, v_cache: [B, Hkv, S, D] (HEAD_MAJOR) or [B, S, Hkv, D] (SEQ_MAJOR); donate
+            them, they are updated in place.
+        lengths: int32 [B], tokens cached before this step, 0 <= lengths < S.
+        layout: the cache's Layout (take it from the cache, never set it twice).
+        scale: score scale, default 1/sqrt(D).
+        softcap: if set, scores become softcap * tanh(score / softcap).
+        window: if set, attend to the last `window` positions only (the new token included).
+        return_status: also return the int32 [B] status (0 = ok); the CUDA kernels latch an
+            error there instead of touching memory past S when lengths is only known on device.
+
+    Returns:
+        (out [B, Hq, D], k_cache, v_cache), plus status [B] if return_status.
+    """
+    _ffi.register()
+    layout = Layout.parse(layout)
+    B, _, Hq, _, D, S = _common.check_attention_inputs(q, k, v, k_cache, v_cache, layout,
+                                                       token_axis=False)
+    attrs = _common.attention_attrs(layout, D, scale, softcap, window)
+    known = _common.check_lengths("lengths", lengths, B)
+    if known is not None:
+        bad = [(b, int(x)) for b, x in enumerate(known) if not 0 <= x < S]
+        if bad:
+            b, x = bad[0]
+            raise ValueError(f"lengths: expected 0 <= lengths[b] < capacity S={S}, "
+                             f"got lengths[{b}]={x}")
+    ws = _common.workspace_shape("decode", B, 1, Hq, D, S)
+    call = jax.ffi.ffi_call(
+        "jax_kv_gqa_decode",
+        (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+            jax.ShapeDtypeStruct((B,), jnp.int32),
+            jax.ShapeDtypeStruct(ws, jnp.float32),
+        ),
+        input_output_aliases={3: 1, 4: 2},
+        vmap_method="sequential",
+    )
+    out, k_cache, v_cache, status, _ = call(q, k, v, k_cache, v_cache, lengths, **attrs)
+    return (out, k_cache, v_cache, status) if return_status else (out, k_cache, v_cache)

@@ -1,0 +1,86 @@
+"""gqa_prefill: causal GQA attention of T new tokens over past + new K/V, appending the new
+K/V to the cache (XLA FFI target jax_kv_gqa_prefill)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_kv import _ffi
+from jax_kv.layout import Layout
+from jax_kv.ops import _common
+
+
+def gqa_prefill(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    lengths: jax.Array,
+    *,
+    new_lengths: jax.Array | None = None,
+    layout: Layout | str | int,
+    scale: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+    return_status: bool = False,
+) -> tuple[jax.Array, ...]:
+    """Causal GQA prefill of T tokens per sequence into a growing KV cache.
+
+    Writes new_lengths[b] tokens' K/V at positions lengths[b] ...; query t attends to
+    positions [max(0, P + 1 - window), P] with P = lengths[b] + t. Rows t >= new_lengths[b]
+    (ragged prompts) return zeros and write nothing.
+
+    Args:
+        q: [B, T, Hq, D] queries of the new tokens, already rotated.
+        k, v: [B, T, Hkv, D] keys and values of the new tokens.
+        k_cache, v_cache: [B, Hkv, S, D] (HEAD_MAJOR) or [B, S, Hkv, D] (SEQ_MAJOR); donate
+            them, they are updated in place.
+        lengths: int32 [B], tokens cached before this call.
+        new_lengths: int32 [B], tokens of this call per sequence, 0 <= new_lengths <= T
+            (default T); lengths + new_lengths <= S.
+        layout, scale, softcap, window, return_status: as in gqa_decode.
+
+    Returns:
+        (out [B, T, Hq, D], k_cache, v_cache), plus status [B] if return_status.
+    """
+    _ffi.register()
+    layout = Layout.parse(layout)
+    B, T, Hq, _, D, S = _common.check_attention_inputs(q, k, v, k_cache, v_cache, layout,
+                                                       token_axis=True)
+    attrs = _common.attention_attrs(layout, D, scale, softcap, window)
+    known = _common.check_lengths("lengths", lengths, B)
+    if new_lengths is None:
+        new_lengths = jnp.full((B,), T, jnp.int32)
+        known_new = [T] * B
+    else:
+        known_new = _common.check_lengths("new_lengths", new_lengths, B)
+    if known_new is not None:
+        for b, n in enumerate(known_new):
+            if not 0 <= n <= T:
+                raise ValueError(f"new_lengths: expected 0 <= new_lengths[b] <= T={T}, "
+                                 f"got new_lengths[{b}]={int(n)}")
+    if known is not None:
+        for b, x in enumerate(known):
+            n = T if known_new is None else int(known_new[b])
+            if not (0 <= x and x + n <= S):
+                raise ValueError(f"lengths: expected 0 <= lengths[b] and lengths[b] + new tokens "
+                                 f"<= capacity S={S}, got lengths[{b}]={int(x)} with {n} new "
+                                 f"tokens (prefill would overflow the cache)")
+    ws = _common.workspace_shape("prefill", B, T, Hq, D, S)
+    call = jax.ffi.ffi_call(
+        "jax_kv_gqa_prefill",
+        (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+            jax.ShapeDtypeStruct((B,), jnp.int32),
+            jax.ShapeDtypeStruct(ws, jnp.float32),
+        ),
+        input_output_aliases={3: 1, 4: 2},
+        vmap_method="sequential",
+    )
+    out, k_cache, v_cache, status, _ = call(q, k, v, k_cache, v_cache, lengths, new_lengths,
+                                            **attrs)
+    return (out, k_cache, v_cache, status) if return_status else (out, k_cache, v_cache)
