@@ -39,7 +39,8 @@ inline ffi::ErrorOr<AxisOrder> AxisOrderOf(int32_t layout) {
       "layout: expected 0 (HEAD_MAJOR) or 1 (SEQ_MAJOR), got " + std::to_string(layout)));
 }
 
-inline ffi::ErrorOr<CacheGeometry> CacheGeometryOf(const char* name, ffi::AnyBuffer::Dimensions dims,
+inline ffi::ErrorOr<CacheGeometry> CacheGeometryOf(const char* name,
+                                                   ffi::AnyBuffer::Dimensions dims,
                                                    int32_t layout) {
   auto order = AxisOrderOf(layout);
   if (order.has_error()) return ffi::Unexpected(order.error());
@@ -88,7 +89,8 @@ ffi::Error FillGqaParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            DimsString(q.dimensions()));
   }
   auto qd = q.dimensions();
-  const int64_t B = qd[0], num_tokens = has_token_axis ? qd[1] : 1, Hq = qd[qrank - 2], D = qd[qrank - 1];
+  const int64_t B = qd[0], num_tokens = has_token_axis ? qd[1] : 1, Hq = qd[qrank - 2],
+                D = qd[qrank - 1];
   const CacheGeometry& g = *geo;
   if (k_cache.dimensions().size() != v_cache.dimensions().size() ||
       k_cache.element_count() != v_cache.element_count()) {
@@ -105,7 +107,8 @@ ffi::Error FillGqaParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   }
   if (g.batch != B || g.head_dim != D) {
     return InvalidArgument("k_cache: expected batch " + std::to_string(B) + " and head_dim " +
-                           std::to_string(D) + " (from q), got " + DimsString(k_cache.dimensions()));
+                           std::to_string(D) + " (from q), got " +
+                           DimsString(k_cache.dimensions()));
   }
   const int64_t Hkv = g.num_kv_heads;
   if (Hkv <= 0 || Hq % Hkv != 0) {
@@ -167,8 +170,9 @@ ffi::Error FillGqaParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
 
 // Checks a grow_cache call (same layout, same B/Hkv/D/dtype, S_new >= S_old) and fills params.
 inline ffi::Error FillGrowParams(ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> lengths,
-                                 ffi::AnyBuffer new_cache, ffi::Result<ffi::Buffer<ffi::S32>> status,
-                                 int32_t layout, GrowParams* p) {
+                                 ffi::AnyBuffer new_cache,
+                                 ffi::Result<ffi::Buffer<ffi::S32>> status, int32_t layout,
+                                 GrowParams* p) {
   auto src = CacheGeometryOf("cache", cache.dimensions(), layout);
   if (src.has_error()) return src.error();
   auto dst = CacheGeometryOf("new_cache", new_cache.dimensions(), layout);
@@ -176,9 +180,10 @@ inline ffi::Error FillGrowParams(ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> len
   if (src->batch != dst->batch || src->num_kv_heads != dst->num_kv_heads ||
       src->head_dim != dst->head_dim || dst->capacity < src->capacity ||
       cache.element_type() != new_cache.element_type()) {
-    return InvalidArgument("new_capacity: expected a cache of the same B, Hkv, D, dtype and "
-                           "capacity >= " + std::to_string(src->capacity) + ", got " +
-                           DimsString(new_cache.dimensions()));
+    return InvalidArgument(
+        "new_capacity: expected a cache of the same B, Hkv, D, dtype and "
+        "capacity >= " +
+        std::to_string(src->capacity) + ", got " + DimsString(new_cache.dimensions()));
   }
   if (lengths.element_count() != static_cast<size_t>(src->batch)) {
     return InvalidArgument("lengths: expected int32 [B=" + std::to_string(src->batch) + "]");
@@ -207,41 +212,44 @@ inline ffi::Error FillGrowParams(ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> len
 // The FFI signature both platforms register, so a call lowers the same way on CPU and CUDA.
 // Caches come in as args 3, 4 and go out aliased as results 1, 2; the handler writes through
 // the results. `ctx` is the platform's context (the CUDA stream, or nothing on CPU).
-#define JKV_GQA_ARGS(ctx)                                                         \
-  ::xla::ffi::Ffi::Bind() ctx.Arg<::xla::ffi::AnyBuffer>() /* q */               \
-      .Arg<::xla::ffi::AnyBuffer>()                        /* k */               \
-      .Arg<::xla::ffi::AnyBuffer>()                        /* v */               \
-      .Arg<::xla::ffi::AnyBuffer>()                        /* k_cache */         \
-      .Arg<::xla::ffi::AnyBuffer>()                        /* v_cache */         \
-      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>()          /* lengths [B] */
-#define JKV_GQA_RETS_ATTRS                                                        \
-  .Ret<::xla::ffi::AnyBuffer>()                           /* out */              \
-      .Ret<::xla::ffi::AnyBuffer>()                       /* k_cache (aliased) */ \
-      .Ret<::xla::ffi::AnyBuffer>()                       /* v_cache (aliased) */ \
-      .Ret<::xla::ffi::Buffer<::xla::ffi::S32>>()         /* status [B] */       \
-      .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>()         /* workspace */        \
-      .Attr<int32_t>("layout")                                                    \
-      .Attr<float>("scale")                                                       \
-      .Attr<float>("softcap")                                                     \
+#define JKV_GQA_ARGS(ctx)                                           \
+  ::xla::ffi::Ffi::Bind()                                           \
+      ctx.Arg<::xla::ffi::AnyBuffer>()                /* q */       \
+          .Arg<::xla::ffi::AnyBuffer>()               /* k */       \
+          .Arg<::xla::ffi::AnyBuffer>()               /* v */       \
+          .Arg<::xla::ffi::AnyBuffer>()               /* k_cache */ \
+          .Arg<::xla::ffi::AnyBuffer>()               /* v_cache */ \
+          .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* lengths [B] */
+#define JKV_GQA_RETS_ATTRS                                                \
+  .Ret<::xla::ffi::AnyBuffer>()                   /* out */               \
+      .Ret<::xla::ffi::AnyBuffer>()               /* k_cache (aliased) */ \
+      .Ret<::xla::ffi::AnyBuffer>()               /* v_cache (aliased) */ \
+      .Ret<::xla::ffi::Buffer<::xla::ffi::S32>>() /* status [B] */        \
+      .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>() /* workspace */         \
+      .Attr<int32_t>("layout")                                            \
+      .Attr<float>("scale")                                               \
+      .Attr<float>("softcap")                                             \
       .Attr<int32_t>("window")
 #define JKV_GQA_DECODE_BINDING(ctx) JKV_GQA_ARGS(ctx) JKV_GQA_RETS_ATTRS
 #define JKV_GQA_PREFILL_BINDING(ctx) \
-  JKV_GQA_ARGS(ctx).Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* new_lengths [B] */ JKV_GQA_RETS_ATTRS
-#define JKV_GROW_BINDING(ctx)                                              \
-  ::xla::ffi::Ffi::Bind() ctx.Arg<::xla::ffi::AnyBuffer>() /* cache */    \
-      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>()          /* lengths */  \
-      .Ret<::xla::ffi::AnyBuffer>()                        /* new cache */ \
-      .Ret<::xla::ffi::Buffer<::xla::ffi::S32>>()          /* status */   \
-      .Attr<int32_t>("layout")
+  JKV_GQA_ARGS(ctx)                  \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* new_lengths [B] */ JKV_GQA_RETS_ATTRS
+#define JKV_GROW_BINDING(ctx)                                         \
+  ::xla::ffi::Ffi::Bind()                                             \
+      ctx.Arg<::xla::ffi::AnyBuffer>()                /* cache */     \
+          .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* lengths */   \
+          .Ret<::xla::ffi::AnyBuffer>()               /* new cache */ \
+          .Ret<::xla::ffi::Buffer<::xla::ffi::S32>>() /* status */    \
+          .Attr<int32_t>("layout")
 
-#define JKV_DISPATCH_DTYPE(dtype, fn, ...)                                               \
-  switch (dtype) {                                                                      \
-    case ::xla::ffi::BF16:                                                              \
-      return fn<::jax_kv::bf16_t>(__VA_ARGS__);                                         \
-    case ::xla::ffi::F16:                                                               \
-      return fn<::jax_kv::f16_t>(__VA_ARGS__);                                          \
-    case ::xla::ffi::F32:                                                               \
-      return fn<float>(__VA_ARGS__);                                                    \
-    default:                                                                            \
-      return ::xla::ffi::Error::InvalidArgument("q: dtype must be bf16, f16 or f32");   \
+#define JKV_DISPATCH_DTYPE(dtype, fn, ...)                                            \
+  switch (dtype) {                                                                    \
+    case ::xla::ffi::BF16:                                                            \
+      return fn<::jax_kv::bf16_t>(__VA_ARGS__);                                       \
+    case ::xla::ffi::F16:                                                             \
+      return fn<::jax_kv::f16_t>(__VA_ARGS__);                                        \
+    case ::xla::ffi::F32:                                                             \
+      return fn<float>(__VA_ARGS__);                                                  \
+    default:                                                                          \
+      return ::xla::ffi::Error::InvalidArgument("q: dtype must be bf16, f16 or f32"); \
   }

@@ -14,7 +14,8 @@ namespace jax_kv {
 template <typename Fn>
 void ParallelFor(int64_t n, int64_t min_items_per_thread, Fn fn) {
   const int64_t hw = std::max<int64_t>(1, std::thread::hardware_concurrency());
-  const int64_t threads = std::clamp<int64_t>(n / std::max<int64_t>(1, min_items_per_thread), 1, hw);
+  const int64_t threads =
+      std::clamp<int64_t>(n / std::max<int64_t>(1, min_items_per_thread), 1, hw);
   if (threads <= 1) {
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;

@@ -42,9 +42,7 @@ template <typename T>
 void RunGqaReferenceCpu(const GqaParams<T>& p) {
   const int64_t D = p.head_dim, T_ = p.num_tokens, Hq = p.num_q_heads, Hkv = p.num_kv_heads;
   const int64_t group = Hq / Hkv;
-  auto new_tokens = [&](int64_t b) -> int64_t {
-    return p.new_lengths ? p.new_lengths[b] : T_;
-  };
+  auto new_tokens = [&](int64_t b) -> int64_t { return p.new_lengths ? p.new_lengths[b] : T_; };
   // 1. Append: the new tokens' K/V go to positions lengths[b] + t, t < new_lengths[b].
   for (int64_t b = 0; b < p.batch; ++b) {
     for (int64_t t = 0; t < new_tokens(b); ++t) {
@@ -113,9 +111,9 @@ xla::ffi::Error GqaCpuImpl(xla::ffi::AnyBuffer q, xla::ffi::AnyBuffer k, xla::ff
                            int32_t layout, float scale, float softcap, int32_t window,
                            bool has_token_axis) {
   GqaParams<T> p;
-  xla::ffi::Error err = FillGqaParams<T>(q, k, v, k_cache, v_cache, lengths, new_lengths, out,
-                                         status, workspace, layout, scale, softcap, window,
-                                         has_token_axis, &p);
+  xla::ffi::Error err =
+      FillGqaParams<T>(q, k, v, k_cache, v_cache, lengths, new_lengths, out, status, workspace,
+                       layout, scale, softcap, window, has_token_axis, &p);
   if (err.failure()) return err;
   err = CheckLengthsCpu(p);
   if (err.failure()) return err;

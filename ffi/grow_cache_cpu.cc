@@ -14,9 +14,9 @@ static ffi::Error GrowCacheCpuDispatch(ffi::AnyBuffer cache, ffi::Buffer<ffi::S3
   if (err.failure()) return err;
   for (int b = 0; b < p.batch; ++b) {
     if (p.lengths[b] < 0 || p.lengths[b] > p.src_capacity) {
-      return InvalidArgument("lengths[" + std::to_string(b) + "]=" + std::to_string(p.lengths[b]) +
-                             ": expected 0 <= lengths[b] <= capacity S=" +
-                             std::to_string(p.src_capacity));
+      return InvalidArgument(
+          "lengths[" + std::to_string(b) + "]=" + std::to_string(p.lengths[b]) +
+          ": expected 0 <= lengths[b] <= capacity S=" + std::to_string(p.src_capacity));
     }
   }
   const int64_t row_bytes = static_cast<int64_t>(p.head_dim) * p.elem_bytes;

@@ -24,8 +24,9 @@ def describe(x: Any) -> str:
 
 def check_dtype(name: str, x: Any, dtype: Any) -> None:
     if jnp.dtype(x.dtype) != jnp.dtype(dtype):
-        raise ValueError(f"{name}: expected dtype {jnp.dtype(dtype).name} (the dtype of q), "
-                         f"got {describe(x)}")
+        raise ValueError(
+            f"{name}: expected dtype {jnp.dtype(dtype).name} (the dtype of q), got {describe(x)}"
+        )
 
 
 def check_shape(name: str, x: Any, expected: tuple[int, ...], spelled: str) -> None:
@@ -89,15 +90,20 @@ def check_attention_inputs(
         raise ValueError(f"q: head_dim D must be one of {SUPPORTED_HEAD_DIMS}, got {describe(q)}")
     cache_spelled = {Layout.HEAD_MAJOR: "[B, Hkv, S, D]", Layout.SEQ_MAJOR: "[B, S, Hkv, D]"}
     if k_cache.ndim != 4:
-        raise ValueError(f"k_cache: expected rank 4 {cache_spelled[layout]} ({layout.name}), "
-                         f"got {describe(k_cache)}")
+        raise ValueError(
+            f"k_cache: expected rank 4 {cache_spelled[layout]} ({layout.name}), "
+            f"got {describe(k_cache)}"
+        )
     Bc, S, Hkv, Dc = layout.dims_of(k_cache.shape)
     if Bc != B or Dc != D:
-        raise ValueError(f"k_cache: expected {cache_spelled[layout]} ({layout.name}) with B={B} "
-                         f"and D={D} from q, got {describe(k_cache)}")
+        raise ValueError(
+            f"k_cache: expected {cache_spelled[layout]} ({layout.name}) with B={B} "
+            f"and D={D} from q, got {describe(k_cache)}"
+        )
     if Hq % Hkv != 0:
-        raise ValueError(f"q: expected Hq to be a multiple of Hkv={Hkv} (from k_cache), "
-                         f"got Hq={Hq}")
+        raise ValueError(
+            f"q: expected Hq to be a multiple of Hkv={Hkv} (from k_cache), got Hq={Hq}"
+        )
     check_shape("v_cache", v_cache, k_cache.shape, "the shape of k_cache")
     kv_shape = (B, T, Hkv, D) if token_axis else (B, Hkv, D)
     kv_spelled = "[B, T, Hkv, D]" if token_axis else "[B, Hkv, D]"
@@ -108,8 +114,9 @@ def check_attention_inputs(
     return B, T, Hq, Hkv, D, S
 
 
-def workspace_shape(op: str, batch: int, num_tokens: int, num_q_heads: int, head_dim: int,
-                    capacity: int) -> tuple[int]:
+def workspace_shape(
+    op: str, batch: int, num_tokens: int, num_q_heads: int, head_dim: int, capacity: int
+) -> tuple[int]:
     """Float32 scratch a handler may use (split-K partials). Sized here, never allocated by a
     handler, so the handlers stay command-buffer compatible. Zero on CPU."""
     cuda = _ffi.cuda_module()

@@ -47,16 +47,18 @@ def gqa_decode(
     """
     _ffi.register()
     layout = Layout.parse(layout)
-    B, _, Hq, _, D, S = _common.check_attention_inputs(q, k, v, k_cache, v_cache, layout,
-                                                       token_axis=False)
+    B, _, Hq, _, D, S = _common.check_attention_inputs(
+        q, k, v, k_cache, v_cache, layout, token_axis=False
+    )
     attrs = _common.attention_attrs(layout, D, scale, softcap, window)
     known = _common.check_lengths("lengths", lengths, B)
     if known is not None:
         bad = [(b, int(x)) for b, x in enumerate(known) if not 0 <= x < S]
         if bad:
             b, x = bad[0]
-            raise ValueError(f"lengths: expected 0 <= lengths[b] < capacity S={S}, "
-                             f"got lengths[{b}]={x}")
+            raise ValueError(
+                f"lengths: expected 0 <= lengths[b] < capacity S={S}, got lengths[{b}]={x}"
+            )
     ws = _common.workspace_shape("decode", B, 1, Hq, D, S)
     call = jax.ffi.ffi_call(
         "jax_kv_gqa_decode",

@@ -47,8 +47,9 @@ def gqa_prefill(
     """
     _ffi.register()
     layout = Layout.parse(layout)
-    B, T, Hq, _, D, S = _common.check_attention_inputs(q, k, v, k_cache, v_cache, layout,
-                                                       token_axis=True)
+    B, T, Hq, _, D, S = _common.check_attention_inputs(
+        q, k, v, k_cache, v_cache, layout, token_axis=True
+    )
     attrs = _common.attention_attrs(layout, D, scale, softcap, window)
     known = _common.check_lengths("lengths", lengths, B)
     if new_lengths is None:
@@ -59,15 +60,19 @@ def gqa_prefill(
     if known_new is not None:
         for b, n in enumerate(known_new):
             if not 0 <= n <= T:
-                raise ValueError(f"new_lengths: expected 0 <= new_lengths[b] <= T={T}, "
-                                 f"got new_lengths[{b}]={int(n)}")
+                raise ValueError(
+                    f"new_lengths: expected 0 <= new_lengths[b] <= T={T}, "
+                    f"got new_lengths[{b}]={int(n)}"
+                )
     if known is not None:
         for b, x in enumerate(known):
             n = T if known_new is None else int(known_new[b])
             if not (0 <= x and x + n <= S):
-                raise ValueError(f"lengths: expected 0 <= lengths[b] and lengths[b] + new tokens "
-                                 f"<= capacity S={S}, got lengths[{b}]={int(x)} with {n} new "
-                                 f"tokens (prefill would overflow the cache)")
+                raise ValueError(
+                    f"lengths: expected 0 <= lengths[b] and lengths[b] + new tokens "
+                    f"<= capacity S={S}, got lengths[{b}]={int(x)} with {n} new "
+                    f"tokens (prefill would overflow the cache)"
+                )
     ws = _common.workspace_shape("prefill", B, T, Hq, D, S)
     call = jax.ffi.ffi_call(
         "jax_kv_gqa_prefill",
@@ -81,6 +86,7 @@ def gqa_prefill(
         input_output_aliases={3: 1, 4: 2},
         vmap_method="sequential",
     )
-    out, k_cache, v_cache, status, _ = call(q, k, v, k_cache, v_cache, lengths, new_lengths,
-                                            **attrs)
+    out, k_cache, v_cache, status, _ = call(
+        q, k, v, k_cache, v_cache, lengths, new_lengths, **attrs
+    )
     return (out, k_cache, v_cache, status) if return_status else (out, k_cache, v_cache)

@@ -35,26 +35,31 @@ def grow_cache(
     _ffi.register()
     layout = Layout.parse(layout)
     if jnp.dtype(cache.dtype) not in _common.SUPPORTED_DTYPES:
-        raise ValueError(f"cache: expected dtype bfloat16, float16 or float32, "
-                         f"got {_common.describe(cache)}")
+        raise ValueError(
+            f"cache: expected dtype bfloat16, float16 or float32, got {_common.describe(cache)}"
+        )
     B, S, Hkv, D = layout.dims_of(cache.shape)
     if isinstance(new_capacity, bool) or int(new_capacity) != new_capacity or new_capacity < S:
-        raise ValueError(f"new_capacity: expected an int >= the current capacity S={S}, "
-                         f"got {new_capacity!r}")
+        raise ValueError(
+            f"new_capacity: expected an int >= the current capacity S={S}, got {new_capacity!r}"
+        )
     if new_capacity > 2**31 - 1:
         raise ValueError(f"new_capacity: expected <= 2**31 - 1, got {new_capacity}")
     known = _common.check_lengths("lengths", lengths, B)
     if known is not None:
         for b, x in enumerate(known):
             if not 0 <= x <= S:
-                raise ValueError(f"lengths: expected 0 <= lengths[b] <= capacity S={S}, "
-                                 f"got lengths[{b}]={int(x)}")
+                raise ValueError(
+                    f"lengths: expected 0 <= lengths[b] <= capacity S={S}, "
+                    f"got lengths[{b}]={int(x)}"
+                )
     new_shape = layout.cache_shape(B, int(new_capacity), Hkv, D)
     call = jax.ffi.ffi_call(
         "jax_kv_grow_cache",
         (jax.ShapeDtypeStruct(new_shape, cache.dtype), jax.ShapeDtypeStruct((B,), jnp.int32)),
         vmap_method="sequential",
     )
-    new_cache, _ = call(cache, lengths, layout=_common.attention_attrs(layout, D, None, None,
-                                                                       None)["layout"])
+    new_cache, _ = call(
+        cache, lengths, layout=_common.attention_attrs(layout, D, None, None, None)["layout"]
+    )
     return new_cache

@@ -1,0 +1,45 @@
+# The two commands of the README, each doing all its set-up on a fresh machine:
+#   make demo   builds jax_kv into .venv and runs the demo
+#   make test   builds jax_kv into .venv, checks formatting and lint, runs the test suite
+# GPU build: JAX_KV_CUDA=ON make install (needs nvcc; see README "Running on a GPU").
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+SOURCES := $(shell git ls-files 'ffi/*' 'cuda/*' 'cmake/*' CMakeLists.txt pyproject.toml 2>/dev/null)
+PY_FILES := jax_kv tests bench
+CXX_FILES := $(shell git ls-files '*.cc' '*.h' '*.cu' '*.cuh' 2>/dev/null)
+
+.PHONY: install demo test lint format clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# Build requirements go into the venv first so the editable build can skip isolation
+# (no second download of jaxlib into a throwaway build environment).
+$(VENV)/.installed: $(BIN)/python $(SOURCES)
+	$(BIN)/pip install -q "scikit-build-core>=0.10" "nanobind>=2.4" "jax>=0.8" "jaxlib>=0.8"
+	$(BIN)/pip install -q --no-build-isolation -C build-dir=build/venv -e ".[test,dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/python -m jax_kv demo
+
+lint: install
+	$(BIN)/ruff check $(PY_FILES)
+	$(BIN)/ruff format --check $(PY_FILES)
+	$(BIN)/clang-format --dry-run -Werror $(CXX_FILES)
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+format: install
+	$(BIN)/ruff format $(PY_FILES)
+	$(BIN)/ruff check --fix $(PY_FILES)
+	$(BIN)/clang-format -i $(CXX_FILES)
+
+clean:
+	rm -rf $(VENV) build
