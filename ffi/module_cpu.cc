@@ -9,6 +9,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvGrowCacheCpu);
 
 namespace nb = nanobind;
 
+void RegisterDlpack(nb::module_& m);  // ffi/dlpack_export.cc
+
 template <typename Fn>
 static nb::capsule Capsule(Fn* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
@@ -23,4 +25,5 @@ NB_MODULE(_ffi_cpu, m) {
     d["jax_kv_grow_cache"] = Capsule(JaxKvGrowCacheCpu);
     return d;
   });
+  RegisterDlpack(m);
 }

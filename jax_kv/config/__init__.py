@@ -1,0 +1,164 @@
+"""Runtime configuration: `JAX_KV_*` environment variables read once into a frozen RuntimeConfig.
+
+Explicit arguments always win; the environment only fills what a caller left out. The first
+call to `runtime_config()` freezes the values. Every later call re-reads the same variables and
+raises `ConfigChangedError`, naming the variable with its frozen and current values, if any of
+them changed: a knob set after the freeze would otherwise be silently ignored (the seed engine
+lost days to exactly that). Tests that need other values run in a separate process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+class ConfigError(ValueError):
+    """A JAX_KV_* variable holds a value outside its contract."""
+
+
+class ConfigChangedError(RuntimeError):
+    """A JAX_KV_* variable changed after runtime_config() froze it."""
+
+
+def _parse_int(name: str, raw: str) -> int:
+    try:
+        return int(raw.strip(), 10)
+    except ValueError:
+        raise ConfigError(f"{name}: expected an integer, got {raw!r}") from None
+
+
+def _parse_bytes(name: str, raw: str) -> int:
+    text = raw.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = text[-1:] if text[-1:] in _UNITS and text[-1:] else ""
+    number = text[: len(text) - len(unit)]
+    try:
+        value = int(number, 10) * _UNITS[unit]
+    except ValueError:
+        raise ConfigError(
+            f"{name}: expected a byte count like 68719476736 or 64G, got {raw!r}"
+        ) from None
+    if value <= 0:
+        raise ConfigError(f"{name}: expected a byte count > 0, got {raw!r}")
+    return value
+
+
+def _min_bucket(name: str, raw: str) -> int:
+    value = _parse_int(name, raw)
+    if value < 1 or value & (value - 1):
+        raise ConfigError(f"{name}: expected a power of two >= 1, got {raw!r}")
+    return value
+
+
+def _arena(name: str, raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in ("vmm", "eager", "auto"):
+        raise ConfigError(f"{name}: expected vmm, eager or auto, got {raw!r}")
+    return value
+
+
+def _commit_ahead(name: str, raw: str) -> int:
+    value = _parse_int(name, raw)
+    if value < 1:
+        raise ConfigError(f"{name}: expected a token count >= 1, got {raw!r}")
+    return value
+
+
+def _pool_bytes(name: str, raw: str) -> int:
+    if raw.strip() == "0":
+        return 0
+    return _parse_bytes(name, raw)
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """Process-wide defaults; every field can be overridden by an explicit argument.
+
+    min_bucket: JAX_KV_MIN_BUCKET, smallest capacity bucket in tokens (power of two, 256).
+    arena: JAX_KV_ARENA, "vmm" (CUDA virtual memory), "eager" (XLA buffers) or "auto" (vmm
+        where a CUDA device and cuda-python are present, else eager).
+    reserve_bytes: JAX_KV_RESERVE_BYTES, the VMM virtual reservation ("64G"); None tries the
+        ladder 16x device memory halving down to 64 GiB.
+    commit_ahead: JAX_KV_COMMIT_AHEAD, tokens a seq-major VMM cache commits past the live
+        prefix at each growth (None: one min_bucket).
+    pool_bytes: JAX_KV_POOL_BYTES, physical memory the VMM arena keeps created ahead of need
+        (64 MiB); it is device memory in use, reported as pooled_bytes.
+    """
+
+    min_bucket: int = 256
+    arena: str = "auto"
+    reserve_bytes: int | None = None
+    commit_ahead: int | None = None
+    pool_bytes: int = 64 << 20
+
+
+# variable -> (field, parser). The one table both from_env and the freeze guard read, so the
+# set of variables the guard watches cannot drift from the fields that are parsed.
+_VARIABLES: dict[str, tuple[str, Callable[[str, str], Any]]] = {
+    "JAX_KV_MIN_BUCKET": ("min_bucket", _min_bucket),
+    "JAX_KV_ARENA": ("arena", _arena),
+    "JAX_KV_RESERVE_BYTES": ("reserve_bytes", _parse_bytes),
+    "JAX_KV_COMMIT_AHEAD": ("commit_ahead", _commit_ahead),
+    "JAX_KV_POOL_BYTES": ("pool_bytes", _pool_bytes),
+}
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> RuntimeConfig:
+    """A RuntimeConfig parsed from `environ` (default os.environ), without freezing anything."""
+    environ = os.environ if environ is None else environ
+    values = {}
+    for name, (field, parse) in _VARIABLES.items():
+        raw = environ.get(name)
+        if raw is not None and raw.strip() != "":
+            values[field] = parse(name, raw)
+    return RuntimeConfig(**values)
+
+
+_lock = threading.Lock()
+_frozen: tuple[RuntimeConfig, dict[str, str | None]] | None = None
+
+
+def runtime_config() -> RuntimeConfig:
+    """The process-wide RuntimeConfig, frozen on first call.
+
+    Raises:
+        ConfigChangedError: a JAX_KV_* variable differs from the value frozen at first read.
+        ConfigError: a variable holds an invalid value (at first read).
+    """
+    global _frozen
+    with _lock:
+        if _frozen is None:
+            snapshot = {name: os.environ.get(name) for name in _VARIABLES}
+            _frozen = (from_env(), snapshot)
+            return _frozen[0]
+        config, snapshot = _frozen
+    for name, frozen_value in snapshot.items():
+        current = os.environ.get(name)
+        if current != frozen_value:
+            raise ConfigChangedError(
+                f"{name} changed after jax_kv froze its runtime config: frozen value "
+                f"{frozen_value!r}, current value {current!r}. The config is read once per "
+                f"process; pass the value as an argument, or set it before the first use "
+                f"(tests: run in a separate process)."
+            )
+    return config
+
+
+def variables() -> tuple[str, ...]:
+    """Names of the JAX_KV_* variables the config reads."""
+    return tuple(_VARIABLES)
+
+
+__all__ = [
+    "ConfigChangedError",
+    "ConfigError",
+    "RuntimeConfig",
+    "from_env",
+    "runtime_config",
+    "variables",
+]

@@ -1,0 +1,31 @@
+"""KV memory: VmmArena (CUDA driver VMM through cuda-python, or host memory for CPU tests)
+and EagerArena (ordinary XLA buffers).
+
+Importing this package never imports CUDA: `VmmArena()` loads cuda-python when constructed.
+"""
+
+from jax_kv.memory._drivers import ArenaError, ArenaExhausted, CudaDriver, HostDriver
+from jax_kv.memory.arena import (
+    ArenaStats,
+    CommitReport,
+    Region,
+    VmmArena,
+    host_arena,
+    reservation_ladder,
+)
+from jax_kv.memory.eager import EagerArena, EagerStats
+
+__all__ = [
+    "ArenaError",
+    "ArenaExhausted",
+    "ArenaStats",
+    "CommitReport",
+    "CudaDriver",
+    "EagerArena",
+    "EagerStats",
+    "HostDriver",
+    "Region",
+    "VmmArena",
+    "host_arena",
+    "reservation_ladder",
+]

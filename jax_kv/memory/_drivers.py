@@ -1,0 +1,251 @@
+"""Physical-memory back ends of the VMM arena: the CUDA driver (cuda-python) and a host
+stand-in with the same contract (mmap'd PROT_NONE reservation, mprotect as commit) so the
+arena's bookkeeping, view rules and the cache's growth paths run in CPU tests.
+
+A driver maps one granule-sized physical handle at a time and grants access per contiguous
+range; it knows nothing of regions or views (jax_kv/memory/arena.py does).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+from typing import Any
+
+_PROT_NONE = 0  # <sys/mman.h>; the mmap module exports PROT_READ/WRITE only
+
+
+class ArenaError(RuntimeError):
+    """The arena refused an operation (live view over the bytes, closed arena, driver error)."""
+
+
+class ArenaExhausted(ArenaError):
+    """Physical memory or reserved address space ran out; the arena's state is unchanged."""
+
+
+class CudaDriver:
+    """CUDA driver VMM on the primary context of one device (cuda.bindings.driver).
+
+    Imported lazily: constructing one is the first point that loads libcuda.
+    """
+
+    kind = "cuda"
+
+    def __init__(self, device: Any) -> None:
+        from cuda.bindings import driver as cu  # lazy: CPU-only installs never import it
+
+        self._cu = cu
+        self.device_id = int(device.id)
+        self.ordinal = int(getattr(device, "local_hardware_id", device.id))
+        self._check(cu.cuInit(0), "cuInit")
+        self._dev = self._check(cu.cuDeviceGet(self.ordinal), "cuDeviceGet")
+        # XLA runs on the primary context; retaining it (not creating one) makes our mappings
+        # visible to XLA's kernels and our copies ordered against nothing but our own syncs.
+        self._ctx = self._check(cu.cuDevicePrimaryCtxRetain(self._dev), "cuDevicePrimaryCtxRetain")
+        self.make_current()
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = self.ordinal
+        prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+        self._prop = prop
+        self.granule = int(
+            self._check(
+                cu.cuMemGetAllocationGranularity(
+                    prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+                ),
+                "cuMemGetAllocationGranularity",
+            )
+        )
+        desc = cu.CUmemAccessDesc()
+        desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        desc.location.id = self.ordinal
+        desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._desc = [desc]
+        self._stream = self._check(
+            cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate"
+        )
+        self.total_memory = int(self._check(cu.cuDeviceTotalMem(self._dev), "cuDeviceTotalMem"))
+
+    def _check(self, result: Any, what: str) -> Any:
+        err, *values = result if isinstance(result, tuple) else (result,)
+        if err != self._cu.CUresult.CUDA_SUCCESS:
+            _, name = self._cu.cuGetErrorName(err)
+            text = name.decode() if isinstance(name, bytes) else str(err)
+            cls = (
+                ArenaExhausted if err == self._cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY else ArenaError
+            )
+            raise cls(f"{what} failed: {text}")
+        if not values:
+            return None
+        return values[0] if len(values) == 1 else tuple(values)
+
+    def make_current(self) -> None:
+        self._check(self._cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+
+    def free_memory(self) -> int:
+        free, _ = self._check(self._cu.cuMemGetInfo(), "cuMemGetInfo")
+        return int(free)
+
+    def reserve(self, nbytes: int) -> int:
+        ptr = self._check(self._cu.cuMemAddressReserve(nbytes, 0, 0, 0), "cuMemAddressReserve")
+        return int(ptr)
+
+    def free_va(self, base: int, nbytes: int) -> None:
+        self._check(self._cu.cuMemAddressFree(base, nbytes), "cuMemAddressFree")
+
+    def create(self) -> Any:
+        return self._check(self._cu.cuMemCreate(self.granule, self._prop, 0), "cuMemCreate")
+
+    def release(self, handle: Any) -> None:
+        self._check(self._cu.cuMemRelease(handle), "cuMemRelease")
+
+    def map(self, va: int, handle: Any) -> None:
+        self._check(self._cu.cuMemMap(va, self.granule, 0, handle, 0), "cuMemMap")
+
+    def unmap(self, va: int, nbytes: int) -> None:
+        self._check(self._cu.cuMemUnmap(va, nbytes), "cuMemUnmap")
+
+    def set_access(self, va: int, nbytes: int) -> None:
+        self._check(self._cu.cuMemSetAccess(va, nbytes, self._desc, 1), "cuMemSetAccess")
+
+    def synchronize(self) -> None:
+        self._check(self._cu.cuCtxSynchronize(), "cuCtxSynchronize")
+
+    def copy2d(
+        self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int
+    ) -> None:
+        """Device-to-device strided copy on the driver's stream (no host bounce)."""
+        cu = self._cu
+        c = cu.CUDA_MEMCPY2D()
+        c.srcMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        c.dstMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        c.srcDevice, c.srcPitch = src, src_pitch
+        c.dstDevice, c.dstPitch = dst, dst_pitch
+        c.WidthInBytes, c.Height = width, height
+        self._check(cu.cuMemcpy2DAsync(c, self._stream), "cuMemcpy2DAsync")
+
+    def finish_copies(self) -> None:
+        self._check(self._cu.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+
+    def close(self) -> None:
+        errors = []
+        for fn, args in (
+            (self._cu.cuStreamDestroy, (self._stream,)),
+            (self._cu.cuDevicePrimaryCtxRelease, (self._dev,)),
+        ):
+            try:
+                self._check(fn(*args), fn.__name__)
+            except ArenaError as e:
+                errors.append(str(e))
+        if errors:
+            raise ArenaError("; ".join(errors))
+
+
+class HostDriver:
+    """Host memory with VMM semantics, for CPU tests and CPU "VMM" caches.
+
+    The reservation is PROT_NONE address space (MAP_NORESERVE): touching bytes that were never
+    committed faults, as on the GPU. Commit is mprotect(READ|WRITE); unmap drops the pages
+    (MADV_DONTNEED) and makes them PROT_NONE again. `limit_bytes` caps the physical handles
+    that can exist, to test exhaustion.
+    """
+
+    kind = "cpu"
+
+    def __init__(
+        self,
+        *,
+        granule: int = 64 << 10,
+        total_memory: int = 1 << 30,
+        limit_bytes: int | None = None,
+        max_reserve_bytes: int | None = None,
+    ) -> None:
+        if granule < mmap.PAGESIZE or granule % mmap.PAGESIZE:
+            raise ValueError(f"granule: expected a multiple of the page size, got {granule}")
+        self.granule = granule
+        self.total_memory = total_memory
+        self.limit_bytes = total_memory if limit_bytes is None else limit_bytes
+        self.max_reserve_bytes = max_reserve_bytes
+        self.device_id = 0
+        self._libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        self._libc.mmap.restype = ctypes.c_void_p
+        self._libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
+        self._libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self._libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        self._libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        self._next_handle = 0
+        self._live_handles: set[int] = set()
+
+    def make_current(self) -> None:
+        pass
+
+    def free_memory(self) -> int:
+        return self.limit_bytes - len(self._live_handles) * self.granule
+
+    def reserve(self, nbytes: int) -> int:
+        if self.max_reserve_bytes is not None and nbytes > self.max_reserve_bytes:
+            raise ArenaExhausted(f"host driver: reserve of {nbytes} bytes refused (test limit)")
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
+        ptr = self._libc.mmap(None, nbytes, _PROT_NONE, flags, -1, 0)
+        if ptr in (None, ctypes.c_void_p(-1).value):
+            raise ArenaExhausted(
+                f"mmap reserve of {nbytes} bytes failed: errno {ctypes.get_errno()}"
+            )
+        return int(ptr)
+
+    def free_va(self, base: int, nbytes: int) -> None:
+        if self._libc.munmap(base, nbytes) != 0:
+            raise ArenaError(f"munmap failed: errno {ctypes.get_errno()}")
+
+    def create(self) -> int:
+        if (len(self._live_handles) + 1) * self.granule > self.limit_bytes:
+            raise ArenaExhausted(
+                f"host driver: physical limit {self.limit_bytes} bytes reached "
+                f"({len(self._live_handles)} granules of {self.granule} live)"
+            )
+        self._next_handle += 1
+        self._live_handles.add(self._next_handle)
+        return self._next_handle
+
+    def release(self, handle: int) -> None:
+        self._live_handles.remove(handle)
+
+    def map(self, va: int, handle: int) -> None:
+        del handle  # host pages are the handle's storage; nothing to bind
+
+    def unmap(self, va: int, nbytes: int) -> None:
+        self._libc.madvise(va, nbytes, 4)  # MADV_DONTNEED: drop the pages (reads zero later)
+        if self._libc.mprotect(va, nbytes, _PROT_NONE) != 0:
+            raise ArenaError(f"mprotect(PROT_NONE) failed: errno {ctypes.get_errno()}")
+
+    def set_access(self, va: int, nbytes: int) -> None:
+        if self._libc.mprotect(va, nbytes, mmap.PROT_READ | mmap.PROT_WRITE) != 0:
+            raise ArenaError(f"mprotect(READ|WRITE) failed: errno {ctypes.get_errno()}")
+
+    def synchronize(self) -> None:
+        pass
+
+    def copy2d(
+        self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int
+    ) -> None:
+        for row in range(height):
+            ctypes.memmove(dst + row * dst_pitch, src + row * src_pitch, width)
+
+    def finish_copies(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def host_view(self, ptr: int, nbytes: int) -> memoryview:
+        """Test helper: the bytes at `ptr` (must be committed)."""
+        return memoryview((ctypes.c_uint8 * nbytes).from_address(ptr)).cast("B")
