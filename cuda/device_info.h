@@ -1,0 +1,15 @@
+// Cached per-device properties the launchers size their grids from (no XLA headers here).
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace jax_kv {
+
+// Multiprocessor count of the current device, read once per device: cudaDeviceGetAttribute
+// costs ~1 us, and the handlers run on every (non-graph) step.
+int CurrentDeviceSmCount();
+
+// Opt-in limit of dynamic shared memory per block on the current device.
+int CurrentDeviceMaxSmemOptin();
+
+}  // namespace jax_kv

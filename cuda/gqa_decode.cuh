@@ -1,0 +1,26 @@
+// GQA decode (split-K flash decoding with the append fused in): launcher and workspace size.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/gqa_params.h"
+
+namespace jax_kv {
+
+// Split count of the decode grid: from the SM count of the current device and the number of
+// (b, kv head, head chunk) CTAs, never from the capacity S, so a max_len cache costs nothing.
+int GqaDecodeNumSplits(int batch, int num_q_heads, int num_kv_heads);
+
+// float32 workspace the decode op needs for split-K partials, for any Hkv dividing Hq (the
+// Python side sizes it before it knows the handler's split choice; Hkv = 1 is the worst case).
+int64_t GqaDecodeWorkspaceFloats(int batch, int num_q_heads, int head_dim);
+
+// Appends the new token's K/V at lengths[b] and writes out = attention over
+// [max(0, L + 1 - window), L]; status[b] is set for every b. Out-of-range lengths[b] latch
+// JKV_STATUS_LENGTH_OUT_OF_RANGE, leave b's cache untouched and make out[b] NaN.
+template <typename T>
+cudaError_t LaunchGqaDecode(const GqaParams<T>& p, cudaStream_t stream);
+
+}  // namespace jax_kv

@@ -1,0 +1,400 @@
+// GQA prefill: tiled flash attention (mma.sync m16n8k16, f32 accumulation) over the cached
+// past plus the T new tokens, with causal and window block skipping and the append fused in.
+//
+// Grid (ceil(T / 64), Hq, B), 4 warps, 16 query rows per warp. Keys at positions < L come from
+// the cache, keys at positions >= L straight from k_new/v_new: no CTA reads a cache slot this
+// launch writes, so the fused append (by the first query head of each group) races with
+// nothing. K/V tiles stream through a 2-stage cp.async pipeline. f32 inputs take a plain
+// one-warp-per-row path (no f32 tensor-core MMA worth having; it is the accuracy path).
+#include <algorithm>
+#include <type_traits>
+
+#include "cuda/device_info.h"
+#include "cuda/gqa_prefill.cuh"
+#include "cuda/kernel_common.cuh"
+
+namespace jax_kv {
+namespace {
+
+constexpr int kBlockM = 64;
+constexpr int kThreads = 128;
+
+template <int HEAD_DIM>
+struct PrefillShape {
+  static constexpr int kBlockN = HEAD_DIM > 128 ? 32 : 64;  // keeps O + S under 255 registers
+  // Row stride in elements: +16 bytes makes the 8 rows an ldmatrix reads hit distinct banks.
+  static constexpr int kStride = HEAD_DIM + 8;
+  static constexpr int kVecs = HEAD_DIM / 8;  // 16-byte vectors per row (bf16 / f16)
+  static constexpr int kSmemBytes = (kBlockM + 4 * kBlockN) * kStride * 2;
+  static constexpr int kNTiles = kBlockN / 8;
+  static constexpr int kDTiles = HEAD_DIM / 8;
+  static constexpr int kKSteps = HEAD_DIM / 16;
+};
+
+__device__ __forceinline__ int32_t PrefillStatus(int L, int n_new, int T, int S) {
+  if (n_new < 0 || n_new > T) return JKV_STATUS_NEW_LENGTH_OUT_OF_RANGE;
+  if (L < 0 || static_cast<int64_t>(L) + n_new > S) return JKV_STATUS_LENGTH_OUT_OF_RANGE;
+  return JKV_STATUS_OK;
+}
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy; pred false zero-fills (src-size 0) and reads nothing.
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool pred) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddr(smem)), "l"(gmem),
+               "r"(pred ? 16 : 0));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddr(smem)));
+}
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddr(smem)));
+}
+
+template <typename T>
+__device__ __forceinline__ void Mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t Pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ T NanOf() {
+  return from_f32<T>(__int_as_float(0x7fc00000));
+}
+
+// Status, NaN rows for a bad b, zero rows past new_lengths[b] and the fused append: the part
+// both prefill kernels share. Returns the live row range [t0, t1) this CTA must compute, or
+// t0 >= t1 when it has nothing left to do.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ int2 PrefillPrologue(const GqaParams<T>& p, int b, int qh, int t0,
+                                                int t_end, bool status_writer, int L, int n_new) {
+  const int T_ = p.num_tokens;
+  const int code = PrefillStatus(L, n_new, T_, p.capacity);
+  if (status_writer && threadIdx.x == 0) p.status[b] = code;
+  constexpr int V = VecOf<T>::kElems, NV = HEAD_DIM / V;
+  auto out_row = [&](int t) {
+    return p.out + ((static_cast<int64_t>(b) * T_ + t) * p.num_q_heads + qh) * HEAD_DIM;
+  };
+  if (code != JKV_STATUS_OK) {
+    for (int i = threadIdx.x; i < (t_end - t0) * HEAD_DIM; i += blockDim.x) {
+      out_row(t0 + i / HEAD_DIM)[i % HEAD_DIM] = NanOf<T>();
+    }
+    return make_int2(0, 0);
+  }
+  const int live_end = min(t_end, n_new);
+  for (int i = threadIdx.x; i < (t_end - max(t0, live_end)) * NV; i += blockDim.x) {
+    const int t = max(t0, live_end) + i / NV;
+    stg16(out_row(t) + (i % NV) * V, make_uint4(0, 0, 0, 0));
+  }
+  if (t0 >= live_end) return make_int2(0, 0);
+  const int group = p.num_q_heads / p.num_kv_heads;
+  if (qh % group == 0) {
+    const int hkv = qh / group;
+    for (int i = threadIdx.x; i < (live_end - t0) * NV; i += blockDim.x) {
+      const int t = t0 + i / NV, c = (i % NV) * V;
+      const int64_t src =
+          ((static_cast<int64_t>(b) * T_ + t) * p.num_kv_heads + hkv) * HEAD_DIM + c;
+      const int64_t dst = kv_offset(p.cache, b, L + t, hkv) + c;
+      stg16(p.k_cache + dst, ldg16(p.k_new + src));
+      stg16(p.v_cache + dst, ldg16(p.v_new + src));
+    }
+  }
+  return make_int2(t0, live_end);
+}
+
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(kThreads) GqaPrefillMmaKernel(const GqaParams<T> p) {
+  using Sh = PrefillShape<HEAD_DIM>;
+  constexpr int BN = Sh::kBlockN, ST = Sh::kStride, NV = Sh::kVecs;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sq = reinterpret_cast<T*>(smem_raw);  // [kBlockM][ST]
+  T* sk = sq + kBlockM * ST;               // [2][BN][ST]
+  T* sv = sk + 2 * BN * ST;                // [2][BN][ST]
+
+  const int mblock = gridDim.x - 1 - blockIdx.x;  // late (long) query blocks start first
+  const int qh = blockIdx.y, b = blockIdx.z;
+  const int T_ = p.num_tokens;
+  const int group = p.num_q_heads / p.num_kv_heads, hkv = qh / group;
+  const int L = p.lengths[b];
+  const int n_new = p.new_lengths ? p.new_lengths[b] : T_;
+  const int m0 = mblock * kBlockM;
+  const int2 rows = PrefillPrologue<T, HEAD_DIM>(p, b, qh, m0, min(m0 + kBlockM, T_),
+                                                 blockIdx.x == 0 && qh == 0, L, n_new);
+  if (rows.x >= rows.y) return;
+  const int live_end = rows.y;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int gid = lane / 4, tig = lane % 4;
+  const int64_t q_row0 = static_cast<int64_t>(b) * T_;
+  for (int i = tid; i < kBlockM * NV; i += kThreads) {
+    const int r = i / NV, c = (i % NV) * 8, t = m0 + r;
+    const bool pred = t < live_end;
+    const T* src = pred ? p.q + ((q_row0 + t) * p.num_q_heads + qh) * HEAD_DIM + c : p.q;
+    CpAsync16(sq + r * ST + c, src, pred);
+  }
+  const int p_lo = L + m0, p_hi = L + live_end - 1;  // positions of the first / last live row
+  const int kv_lo = p.window > 0 ? max(0, p_lo + 1 - p.window) : 0;
+  const int kv_hi = p_hi;  // inclusive: keys past the last live row are never needed
+  const int nblocks = (kv_hi - kv_lo + BN) / BN;
+  auto load_kv = [&](int j, int stage) {
+    const int n0 = kv_lo + j * BN;
+    for (int i = tid; i < BN * NV; i += kThreads) {
+      const int r = i / NV, c = (i % NV) * 8, pos = n0 + r;
+      const bool pred = pos <= kv_hi;
+      const T* ks = p.k_new;
+      const T* vs = p.v_new;
+      if (pred && pos < L) {
+        const int64_t off = kv_offset(p.cache, b, pos, hkv) + c;
+        ks = p.k_cache + off;
+        vs = p.v_cache + off;
+      } else if (pred) {
+        const int64_t off = ((q_row0 + pos - L) * p.num_kv_heads + hkv) * HEAD_DIM + c;
+        ks = p.k_new + off;
+        vs = p.v_new + off;
+      }
+      CpAsync16(sk + (stage * BN + r) * ST + c, ks, pred);
+      CpAsync16(sv + (stage * BN + r) * ST + c, vs, pred);
+    }
+  };
+  load_kv(0, 0);
+  CpAsyncCommit();
+
+  const bool use_softcap = p.softcap > 0.0f;
+  const float qk_mul = use_softcap ? p.scale / p.softcap : p.scale * kLog2e;
+  const float cap_log2 = p.softcap * kLog2e;
+  const int row_pos[2] = {L + m0 + warp * 16 + gid, L + m0 + warp * 16 + gid + 8};
+  float o[Sh::kDTiles][4];
+#pragma unroll
+  for (int d = 0; d < Sh::kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+  float m[2] = {kMaxSentinel, kMaxSentinel}, l[2] = {0.0f, 0.0f};
+
+  for (int j = 0; j < nblocks; ++j) {
+    if (j + 1 < nblocks) {
+      load_kv(j + 1, (j + 1) & 1);
+      CpAsyncCommit();
+      CpAsyncWait<1>();
+    } else {
+      CpAsyncWait<0>();
+    }
+    __syncthreads();
+    const T* ks = sk + (j & 1) * BN * ST;
+    const T* vs = sv + (j & 1) * BN * ST;
+    float s[Sh::kNTiles][4];
+#pragma unroll
+    for (int n = 0; n < Sh::kNTiles; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < Sh::kKSteps; ++kk) {
+      uint32_t a[4];
+      LdMatrixX4(
+          a, sq + (warp * 16 + (lane % 8) + ((lane / 8) & 1) * 8) * ST + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+      for (int np = 0; np < Sh::kNTiles / 2; ++np) {
+        uint32_t kb[4];
+        LdMatrixX4(
+            kb, ks + (np * 16 + (lane / 16) * 8 + lane % 8) * ST + kk * 16 + ((lane / 8) & 1) * 8);
+        Mma16816<T>(s[2 * np], a, kb[0], kb[1]);
+        Mma16816<T>(s[2 * np + 1], a, kb[2], kb[3]);
+      }
+    }
+    // Mask only the blocks that cross the diagonal, the window edge or the last key.
+    const int n0 = kv_lo + j * BN;
+    const bool need_mask = n0 + BN - 1 > p_lo || (p.window > 0 && n0 < p_hi + 1 - p.window);
+#pragma unroll
+    for (int n = 0; n < Sh::kNTiles; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[n][e] * qk_mul;
+        if (use_softcap) x = cap_log2 * tanhf(x);
+        if (need_mask) {
+          const int key = n0 + n * 8 + tig * 2 + (e & 1), rp = row_pos[e / 2];
+          if (key > rp || (p.window > 0 && key <= rp - p.window)) x = -INFINITY;
+        }
+        s[n][e] = x;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = m[r];
+#pragma unroll
+      for (int n = 0; n < Sh::kNTiles; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float corr = exp2f(m[r] - mx);
+      m[r] = mx;
+      l[r] *= corr;
+#pragma unroll
+      for (int d = 0; d < Sh::kDTiles; ++d) {
+        o[d][2 * r] *= corr;
+        o[d][2 * r + 1] *= corr;
+      }
+#pragma unroll
+      for (int n = 0; n < Sh::kNTiles; ++n) {
+        s[n][2 * r] = exp2f(s[n][2 * r] - mx);
+        s[n][2 * r + 1] = exp2f(s[n][2 * r + 1] - mx);
+        l[r] += s[n][2 * r] + s[n][2 * r + 1];
+      }
+    }
+    // O += P V: the S accumulators of two adjacent n-tiles are exactly an A fragment.
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      const uint32_t a[4] = {Pack2<T>(s[2 * kk][0], s[2 * kk][1]),
+                             Pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                             Pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             Pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int dp = 0; dp < Sh::kDTiles / 2; ++dp) {
+        uint32_t vb[4];
+        LdMatrixX4Trans(
+            vb, vs + (kk * 16 + ((lane / 8) & 1) * 8 + lane % 8) * ST + dp * 16 + (lane / 16) * 8);
+        Mma16816<T>(o[2 * dp], a, vb[0], vb[1]);
+        Mma16816<T>(o[2 * dp + 1], a, vb[2], vb[3]);
+      }
+    }
+    __syncthreads();  // the next iteration's loads overwrite this stage
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    const int t = m0 + warp * 16 + gid + 8 * r;
+    if (t < live_end) {
+      const float inv = 1.0f / l[r];
+      T* out = p.out + ((q_row0 + t) * p.num_q_heads + qh) * HEAD_DIM;
+#pragma unroll
+      for (int d = 0; d < Sh::kDTiles; ++d) {
+        *reinterpret_cast<uint32_t*>(out + d * 8 + tig * 2) =
+            Pack2<T>(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
+      }
+    }
+  }
+}
+
+// One warp per query row: the f32 path (and the reference-style fallback). Grid (T, Hq, B).
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(32) GqaPrefillRowKernel(const GqaParams<T> p) {
+  constexpr int kPer = (HEAD_DIM + 31) / 32;
+  const int t = blockIdx.x, qh = blockIdx.y, b = blockIdx.z, lane = threadIdx.x;
+  const int T_ = p.num_tokens;
+  const int L = p.lengths[b];
+  const int n_new = p.new_lengths ? p.new_lengths[b] : T_;
+  const int2 rows = PrefillPrologue<T, HEAD_DIM>(p, b, qh, t, min(t + 1, T_),
+                                                 blockIdx.x == 0 && qh == 0, L, n_new);
+  if (rows.x >= rows.y) return;
+  const int group = p.num_q_heads / p.num_kv_heads, hkv = qh / group;
+  const int64_t q_row0 = static_cast<int64_t>(b) * T_;
+  const bool use_softcap = p.softcap > 0.0f;
+  const float qk_mul = use_softcap ? p.scale / p.softcap : p.scale * kLog2e;
+  const float cap_log2 = p.softcap * kLog2e;
+  const T* qp = p.q + ((q_row0 + t) * p.num_q_heads + qh) * HEAD_DIM;
+  float q[kPer], acc[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int d = lane + 32 * i;
+    q[i] = d < HEAD_DIM ? to_f32(qp[d]) * qk_mul : 0.0f;
+    acc[i] = 0.0f;
+  }
+  const int P = L + t;
+  const int lo = p.window > 0 ? max(0, P + 1 - p.window) : 0;
+  float m = kMaxSentinel, l = 0.0f;
+  for (int pos = lo; pos <= P; ++pos) {
+    const int64_t off = pos < L ? kv_offset(p.cache, b, pos, hkv)
+                                : ((q_row0 + pos - L) * p.num_kv_heads + hkv) * HEAD_DIM;
+    const T* kp = (pos < L ? p.k_cache : p.k_new) + off;
+    const T* vp = (pos < L ? p.v_cache : p.v_new) + off;
+    float dot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int d = lane + 32 * i;
+      if (d < HEAD_DIM) dot = fmaf(q[i], to_f32(kp[d]), dot);
+    }
+#pragma unroll
+    for (int off2 = 16; off2 >= 1; off2 >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off2);
+    if (use_softcap) dot = cap_log2 * tanhf(dot);
+    const float mn = fmaxf(m, dot);
+    const float corr = exp2f(m - mn), w = exp2f(dot - mn);
+    l = l * corr + w;
+    m = mn;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int d = lane + 32 * i;
+      acc[i] = acc[i] * corr + (d < HEAD_DIM ? w * to_f32(vp[d]) : 0.0f);
+    }
+  }
+  T* out = p.out + ((q_row0 + t) * p.num_q_heads + qh) * HEAD_DIM;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int d = lane + 32 * i;
+    if (d < HEAD_DIM) out[d] = from_f32<T>(acc[i] / l);
+  }
+}
+
+template <typename T, int HEAD_DIM>
+cudaError_t LaunchForHeadDim(const GqaParams<T>& p, cudaStream_t stream) {
+  if constexpr (std::is_same_v<T, float>) {
+    const dim3 grid(std::max(1, p.num_tokens), p.num_q_heads, p.batch);
+    GqaPrefillRowKernel<T, HEAD_DIM><<<grid, 32, 0, stream>>>(p);
+  } else {
+    using Sh = PrefillShape<HEAD_DIM>;
+    // Raising the dynamic shared-memory limit is a host-side function attribute, not stream
+    // work: allowed while XLA records a command buffer. Done once per instantiation.
+    static const cudaError_t attr =
+        cudaFuncSetAttribute(GqaPrefillMmaKernel<T, HEAD_DIM>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, Sh::kSmemBytes);
+    if (attr != cudaSuccess) return attr;
+    const dim3 grid(std::max(1, (p.num_tokens + kBlockM - 1) / kBlockM), p.num_q_heads, p.batch);
+    GqaPrefillMmaKernel<T, HEAD_DIM><<<grid, kThreads, Sh::kSmemBytes, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+template <typename T>
+cudaError_t LaunchGqaPrefill(const GqaParams<T>& p, cudaStream_t stream) {
+  if (p.batch <= 0 || p.num_q_heads <= 0) return cudaSuccess;
+  if (p.batch > 65535 || p.num_q_heads > 65535) return cudaErrorInvalidConfiguration;
+  JKV_DISPATCH_HEAD_DIM(p.head_dim, HEAD_DIM, return LaunchForHeadDim<T, HEAD_DIM>(p, stream););
+  return cudaSuccess;
+}
+
+template cudaError_t LaunchGqaPrefill<float>(const GqaParams<float>&, cudaStream_t);
+template cudaError_t LaunchGqaPrefill<bf16_t>(const GqaParams<bf16_t>&, cudaStream_t);
+template cudaError_t LaunchGqaPrefill<f16_t>(const GqaParams<f16_t>&, cudaStream_t);
+
+}  // namespace jax_kv

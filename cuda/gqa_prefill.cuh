@@ -1,0 +1,17 @@
+// GQA prefill (tiled flash attention over past + new tokens, append fused in): launcher.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/gqa_params.h"
+
+namespace jax_kv {
+
+// Writes new_lengths[b] tokens' K/V at lengths[b]..., and out[b, t] = causal attention of
+// query t over positions [max(0, P + 1 - window), P], P = lengths[b] + t; rows t >=
+// new_lengths[b] are zero. status[b] is set for every b; a bad lengths[b] / new_lengths[b]
+// latches its code, leaves b's cache untouched and makes out[b] NaN.
+template <typename T>
+cudaError_t LaunchGqaPrefill(const GqaParams<T>& p, cudaStream_t stream);
+
+}  // namespace jax_kv

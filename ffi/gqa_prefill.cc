@@ -1,0 +1,54 @@
+// CUDA handler of jax_kv_gqa_prefill: checks buffers, fills params, launches flash attention.
+#include "cuda/gqa_prefill.cuh"
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "ffi/common.h"
+#include "ffi/host_calls.h"
+
+namespace jax_kv {
+
+template <typename T>
+static ffi::Error GqaPrefillImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                                 ffi::AnyBuffer v, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                                 ffi::Buffer<ffi::S32> lengths, const int32_t* new_lengths,
+                                 ffi::Result<ffi::AnyBuffer> out,
+                                 ffi::Result<ffi::Buffer<ffi::S32>> status,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> workspace, int32_t layout,
+                                 float scale, float softcap, int32_t window) {
+  GqaParams<T> p;
+  ffi::Error err = FillGqaParams<T>(q, k, v, k_cache, v_cache, lengths, new_lengths, out, status,
+                                    workspace, layout, scale, softcap, window,
+                                    /*has_token_axis=*/true, &p);
+  if (err.failure()) return err;
+  const cudaError_t e = LaunchGqaPrefill<T>(p, stream);
+  if (e != cudaSuccess) {
+    return ffi::Error::Internal(std::string("jax_kv_gqa_prefill: ") + cudaGetErrorString(e));
+  }
+  return ffi::Error::Success();
+}
+
+static ffi::Error GqaPrefillDispatch(
+    cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+    ffi::AnyBuffer /*k_cache*/, ffi::AnyBuffer /*v_cache*/, ffi::Buffer<ffi::S32> lengths,
+    ffi::Buffer<ffi::S32> new_lengths, ffi::Result<ffi::AnyBuffer> out,
+    ffi::Result<ffi::AnyBuffer> k_cache, ffi::Result<ffi::AnyBuffer> v_cache,
+    ffi::Result<ffi::Buffer<ffi::S32>> status, ffi::Result<ffi::Buffer<ffi::F32>> workspace,
+    int32_t layout, float scale, float softcap, int32_t window) {
+  CountHostCall(kHostCallPrefill);
+  if (new_lengths.element_count() != lengths.element_count()) {
+    return InvalidArgument("new_lengths: expected int32 [B], the shape of lengths");
+  }
+  JKV_DISPATCH_DTYPE(q.element_type(), GqaPrefillImpl, stream, q, k, v, *k_cache, *v_cache, lengths,
+                     new_lengths.typed_data(), out, status, workspace, layout, scale, softcap,
+                     window);
+}
+
+}  // namespace jax_kv
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxKvGqaPrefillCuda, jax_kv::GqaPrefillDispatch,
+    JKV_GQA_PREFILL_BINDING(.Ctx<::xla::ffi::PlatformStream<cudaStream_t>>()),
+    {::xla::ffi::Traits::kCmdBufferCompatible});

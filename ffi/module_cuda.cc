@@ -1,0 +1,82 @@
+// NB_MODULE(_ffi_cuda): the CUDA handlers as capsules, the decode workspace size, and the
+// per-target host-call counters (the CUDA-graph replay signal).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <atomic>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "cuda/gqa_decode.cuh"
+#include "ffi/host_calls.h"
+#include "xla/ffi/api/api.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvGqaDecodeCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvGqaPrefillCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvGrowCacheCuda);
+
+namespace jax_kv {
+std::atomic<int64_t> g_host_calls[kNumHostCallTargets];
+}  // namespace jax_kv
+
+namespace nb = nanobind;
+
+template <typename Fn>
+static nb::capsule Capsule(Fn* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+static const char* const kTargetNames[jax_kv::kNumHostCallTargets] = {
+    "jax_kv_gqa_decode", "jax_kv_gqa_prefill", "jax_kv_grow_cache"};
+
+NB_MODULE(_ffi_cuda, m) {
+  m.doc() = "jax_kv CUDA handlers (XLA FFI, command-buffer compatible)";
+  m.def("registrations", []() {
+    nb::dict d;
+    d["jax_kv_gqa_decode"] = Capsule(JaxKvGqaDecodeCuda);
+    d["jax_kv_gqa_prefill"] = Capsule(JaxKvGqaPrefillCuda);
+    d["jax_kv_grow_cache"] = Capsule(JaxKvGrowCacheCuda);
+    return d;
+  });
+  m.def(
+      "workspace_floats",
+      [](const std::string& op, int64_t batch, int64_t num_tokens, int64_t num_q_heads,
+         int64_t head_dim, int64_t capacity) -> int64_t {
+        (void)num_tokens;
+        (void)capacity;  // the split count never depends on S (DESIGN.md, decode guidance)
+        if (op == "prefill") return 0;
+        if (op != "decode") {
+          throw std::invalid_argument("op: expected 'decode' or 'prefill', got '" + op + "'");
+        }
+        if (batch <= 0 || num_q_heads <= 0 || head_dim <= 0) return 0;
+        return jax_kv::GqaDecodeWorkspaceFloats(
+            static_cast<int>(batch), static_cast<int>(num_q_heads), static_cast<int>(head_dim));
+      },
+      nb::arg("op"), nb::arg("batch"), nb::arg("num_tokens"), nb::arg("num_q_heads"),
+      nb::arg("head_dim"), nb::arg("capacity"),
+      "float32 workspace elements the op needs on the current device (split-K partials).");
+  m.def(
+      "host_calls",
+      []() {
+        nb::dict d;
+        for (int i = 0; i < jax_kv::kNumHostCallTargets; ++i) {
+          d[kTargetNames[i]] = jax_kv::g_host_calls[i].load(std::memory_order_relaxed);
+        }
+        return d;
+      },
+      "Host-code runs of each CUDA handler since import or the last reset_host_calls().");
+  m.def(
+      "reset_host_calls",
+      []() {
+        for (auto& c : jax_kv::g_host_calls) c.store(0, std::memory_order_relaxed);
+      },
+      "Zeroes the host-call counters.");
+  m.def(
+      "num_splits",
+      [](int batch, int num_q_heads, int num_kv_heads) {
+        return jax_kv::GqaDecodeNumSplits(batch, num_q_heads, num_kv_heads);
+      },
+      nb::arg("batch"), nb::arg("num_q_heads"), nb::arg("num_kv_heads"),
+      "Split count the decode kernel uses on the current device (for tests and benches).");
+}
