@@ -1,0 +1,356 @@
+"""GQA decode and prefill on the GPU: jax_kv vs cuDNN (jax.nn.dot_product_attention) vs XLA
+masked attention, device time inside one jitted lax.fori_loop, median of repeats.
+
+bf16, Hq=32, Hkv=8, D=128, both cache layouts (the comparators read [B, S, Hkv, D] in both
+rows: cuDNN takes no other layout). Prints the tables and writes attention.json (GPU name, jax
+version, git commit) and attention.png (achieved live-KV GB/s per row) under --out.
+
+    python bench/attention.py --out /tmp/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_kv import Layout, gqa_decode, gqa_prefill
+
+HQ, HKV, D = 32, 8, 128
+DTYPE = jnp.bfloat16
+DECODE_ROWS = [  # (B, S, live)
+    (1, 4096, 4096),
+    (1, 32768, 32768),
+    (1, 131072, 131072),
+    (1, 32768, 4096),
+    (8, 8192, 8192),
+    (32, 8192, 8192),
+    (64, 4096, 1024),
+    (128, 2048, 2048),
+]
+PREFILL_ROWS = [(1024, 0), (4096, 0), (16384, 0), (512, 8192)]  # (T, past), B = 1
+REPEATS = 5
+
+
+def time_loop(step: Callable, carry, iters: int, unroll: int) -> tuple[float, float]:
+    """(median seconds per step, compile seconds) of `iters` steps in one jitted fori_loop."""
+    # The carry is donated and chained call to call: caches stay in place, no copy per call.
+    carry = jax.tree.map(jnp.copy, carry)
+    loop = jax.jit(
+        lambda c: lax.fori_loop(0, iters, lambda _, c: step(c), c, unroll=unroll),
+        donate_argnums=0,
+    )
+    t0 = time.perf_counter()
+    compiled = loop.lower(carry).compile()
+    compile_s = time.perf_counter() - t0
+    carry = jax.block_until_ready(compiled(carry))  # warm-up
+    times = []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        carry = jax.block_until_ready(compiled(carry))
+        times.append(time.perf_counter() - t0)
+    del carry
+    return statistics.median(times) / iters, compile_s
+
+
+def guarded(fn: Callable) -> tuple[float | None, str | None]:
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 - a comparator that cannot run is reported, not fatal
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+
+
+def rand(key, shape):
+    return jax.random.normal(key, shape, jnp.float32).astype(DTYPE)
+
+
+# --- decode -------------------------------------------------------------------------------
+
+
+def xla_decode(q, k, v, n):
+    """Masked attention over all S slots, f32 softmax: the plain-JAX static-cache step."""
+    B, S = k.shape[:2]
+    qg = q.reshape(B, HKV, HQ // HKV, D)
+    s = jnp.einsum("bhgd,bshd->bhgs", qg, k, preferred_element_type=jnp.float32)
+    s = s * (1.0 / math.sqrt(D))
+    mask = jnp.arange(S)[None, :] < n[:, None]
+    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).astype(DTYPE)
+    return jnp.einsum("bhgs,bshd->bhgd", p, v).reshape(B, HQ, D)
+
+
+def bench_decode(B, S, live, iters):
+    keys = jax.random.split(jax.random.key(B * 7 + S), 6)
+    q = rand(keys[0], (B, HQ, D))
+    k_new, v_new = rand(keys[1], (B, HKV, D)), rand(keys[2], (B, HKV, D))
+    lengths = jnp.full((B,), live - 1, jnp.int32)  # the new token makes `live` attended
+    kv_seq = jnp.full((B,), live, jnp.int32)
+    row = {"B": B, "S": S, "live": live}
+    bytes_live = B * live * HKV * D * 2 * 2
+    k_bshd, v_bshd = rand(keys[3], (B, S, HKV, D)), rand(keys[4], (B, S, HKV, D))
+
+    for layout in Layout:
+        if layout == Layout.SEQ_MAJOR:
+            kc, vc = k_bshd, v_bshd
+        else:
+            kc, vc = (jnp.swapaxes(x, 1, 2) for x in (k_bshd, v_bshd))
+
+        def step(c, layout=layout):
+            q, kc, vc = c
+            out, kc, vc = gqa_decode(q, k_new, v_new, kc, vc, lengths, layout=layout)
+            return out, kc, vc
+
+        t, err = guarded(lambda c=(q, kc, vc), f=step: time_loop(f, c, iters, 8))
+        row[f"jax_kv_{layout.name}"] = None if t is None else t[0]
+        row[f"compile_jax_kv_{layout.name}"] = None if t is None else t[1]
+        if err:
+            row[f"error_jax_kv_{layout.name}"] = err
+
+    def cudnn_step(q):
+        out = jax.nn.dot_product_attention(
+            q[:, None], k_bshd, v_bshd, key_value_seq_lengths=kv_seq, implementation="cudnn"
+        )
+        return out[:, 0]
+
+    t, err = guarded(lambda: time_loop(cudnn_step, q, iters, 8)[0])
+    row["cudnn"], row["error_cudnn"] = t, err
+    t, err = guarded(
+        lambda: time_loop(lambda q: xla_decode(q, k_bshd, v_bshd, kv_seq), q, iters, 8)[0]
+    )
+    row["xla"], row["error_xla"] = t, err
+    for name in ("jax_kv_HEAD_MAJOR", "jax_kv_SEQ_MAJOR", "cudnn", "xla"):
+        row[f"gbps_{name}"] = None if row[name] is None else bytes_live / row[name] / 1e9
+    return row
+
+
+# --- prefill ------------------------------------------------------------------------------
+
+
+def xla_prefill(q, k, v, past):
+    """Masked causal attention with f32 scores: [B, Hkv, G, T, S] materialised."""
+    B, T = q.shape[:2]
+    S = k.shape[1]
+    qg = q.reshape(B, T, HKV, HQ // HKV, D)
+    s = jnp.einsum("bthgd,bshd->bhgts", qg, k, preferred_element_type=jnp.float32)
+    s = s * (1.0 / math.sqrt(D))
+    mask = jnp.arange(S)[None, :] <= (past + jnp.arange(T))[:, None]
+    s = jnp.where(mask, s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).astype(DTYPE)
+    return jnp.einsum("bhgts,bshd->bthgd", p, v).reshape(B, T, HQ, D)
+
+
+def bench_prefill(T, past, iters):
+    keys = jax.random.split(jax.random.key(T + past), 6)
+    S = past + T
+    q = rand(keys[0], (1, T, HQ, D))
+    k_new, v_new = rand(keys[1], (1, T, HKV, D)), rand(keys[2], (1, T, HKV, D))
+    lengths = jnp.asarray([past], jnp.int32)
+    pairs = T * past + T * (T + 1) // 2
+    flops = 4 * HQ * D * pairs  # QK^T and PV, causal pairs only
+    row = {"T": T, "past": past, "flops": flops}
+    k_bshd, v_bshd = rand(keys[3], (1, S, HKV, D)), rand(keys[4], (1, S, HKV, D))
+    k_bshd = k_bshd.at[:, past:].set(k_new)
+    v_bshd = v_bshd.at[:, past:].set(v_new)
+
+    for layout in Layout:
+        if layout == Layout.SEQ_MAJOR:
+            kc, vc = k_bshd, v_bshd
+        else:
+            kc, vc = (jnp.swapaxes(x, 1, 2) for x in (k_bshd, v_bshd))
+
+        def step(c, layout=layout):
+            q, kc, vc = c
+            return gqa_prefill(q, k_new, v_new, kc, vc, lengths, layout=layout)
+
+        t, err = guarded(lambda c=(q, kc, vc), f=step: time_loop(f, c, iters, 1)[0])
+        row[f"jax_kv_{layout.name}"] = t
+        if err:
+            row[f"error_jax_kv_{layout.name}"] = err
+
+    if past == 0:
+
+        def cudnn_step(q):
+            return jax.nn.dot_product_attention(
+                q, k_bshd, v_bshd, is_causal=True, implementation="cudnn"
+            )
+    else:  # jax's is_causal is top-left aligned; a past needs the bottom-right mask
+        mask = (jnp.arange(S)[None, :] <= (past + jnp.arange(T))[:, None])[None, None]
+
+        def cudnn_step(q):
+            return jax.nn.dot_product_attention(
+                q, k_bshd, v_bshd, mask=mask, implementation="cudnn"
+            )
+
+    t, err = guarded(lambda: time_loop(cudnn_step, q, iters, 1)[0])
+    row["cudnn"], row["error_cudnn"] = t, err
+    t, err = guarded(
+        lambda: time_loop(lambda q: xla_prefill(q, k_bshd, v_bshd, past), q, iters, 1)[0]
+    )
+    row["xla"], row["error_xla"] = t, err
+    for name in ("jax_kv_HEAD_MAJOR", "jax_kv_SEQ_MAJOR", "cudnn", "xla"):
+        row[f"tflops_{name}"] = None if row[name] is None else flops / row[name] / 1e12
+    return row
+
+
+# --- report -------------------------------------------------------------------------------
+
+
+def fmt(x, scale=1.0, spec="8.1f"):
+    return f"{'-':>8}" if x is None else format(x * scale, spec)
+
+
+def ratio(a, b):
+    return None if a is None or b is None else b / a
+
+
+def print_decode(rows):
+    print("\nDecode (bf16, Hq=32, Hkv=8, D=128): time in us, live-KV GB/s, x = cuDNN time / ours")
+    print(
+        f"{'B':>4} {'S':>7} {'live':>7} | {'layout':>10} {'jax_kv':>8} {'GB/s':>8} | "
+        f"{'cuDNN':>8} {'GB/s':>8} | {'XLA':>8} {'GB/s':>8} | {'x cuDNN':>7} {'x XLA':>7}"
+    )
+    for r in rows:
+        for lay in ("HEAD_MAJOR", "SEQ_MAJOR"):
+            ours = r[f"jax_kv_{lay}"]
+            print(
+                f"{r['B']:>4} {r['S']:>7} {r['live']:>7} | {lay:>10} {fmt(ours, 1e6)} "
+                f"{fmt(r[f'gbps_jax_kv_{lay}'], 1, '8.0f')} | {fmt(r['cudnn'], 1e6)} "
+                f"{fmt(r['gbps_cudnn'], 1, '8.0f')} | {fmt(r['xla'], 1e6)} "
+                f"{fmt(r['gbps_xla'], 1, '8.0f')} | {fmt(ratio(ours, r['cudnn']), 1, '7.2f')} "
+                f"{fmt(ratio(ours, r['xla']), 1, '7.2f')}"
+            )
+
+
+def print_prefill(rows):
+    print(
+        "\nPrefill (bf16, B=1, Hq=32, Hkv=8, D=128, causal): time in ms, TFLOP/s, "
+        "x = ours / cuDNN TFLOP/s"
+    )
+    print(
+        f"{'T':>6} {'past':>6} | {'layout':>10} {'jax_kv':>8} {'TFLOP/s':>8} | "
+        f"{'cuDNN':>8} {'TFLOP/s':>8} | {'XLA':>8} {'TFLOP/s':>8} | {'x cuDNN':>7}"
+    )
+    for r in rows:
+        for lay in ("HEAD_MAJOR", "SEQ_MAJOR"):
+            ours = r[f"jax_kv_{lay}"]
+            print(
+                f"{r['T']:>6} {r['past']:>6} | {lay:>10} {fmt(ours, 1e3, '8.3f')} "
+                f"{fmt(r[f'tflops_jax_kv_{lay}'])} | {fmt(r['cudnn'], 1e3, '8.3f')} "
+                f"{fmt(r['tflops_cudnn'])} | {fmt(r['xla'], 1e3, '8.3f')} "
+                f"{fmt(r['tflops_xla'])} | {fmt(ratio(r['cudnn'], ours), 1, '7.2f')}"
+            )
+
+
+def plot(decode, prefill, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5), gridspec_kw={"width_ratios": [3, 1]})
+    names = [
+        ("jax_kv_HEAD_MAJOR", "jax_kv head-major"),
+        ("jax_kv_SEQ_MAJOR", "jax_kv seq-major"),
+        ("cudnn", "cuDNN"),
+        ("xla", "XLA masked"),
+    ]
+    for ax, rows, key, label, ylabel in (
+        (axes[0], decode, "gbps_", lambda r: f"B{r['B']}\nS{r['S']}\nL{r['live']}", "live-KV GB/s"),
+        (axes[1], prefill, "tflops_", lambda r: f"T{r['T']}\npast{r['past']}", "TFLOP/s"),
+    ):
+        x = np.arange(len(rows))
+        w = 0.2
+        for i, (name, text) in enumerate(names):
+            vals = [r[key + name] or 0.0 for r in rows]
+            ax.bar(x + (i - 1.5) * w, vals, w, label=text)
+        ax.set_xticks(x, [label(r) for r in rows], fontsize=7)
+        ax.set_ylabel(ylabel)
+    axes[0].axhline(4300, color="gray", ls="--", lw=0.8, label="~4.3 TB/s copy ceiling")
+    axes[0].set_title("GQA decode, bf16, Hq=32 Hkv=8 D=128")
+    axes[1].set_title("GQA prefill, causal, B=1")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def git_commit() -> str:
+    if os.environ.get("JAX_KV_COMMIT"):  # a copied tree without .git (device runs)
+        return os.environ["JAX_KV_COMMIT"]
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="folder for attention.json and attention.png")
+    ap.add_argument("--decode-iters", type=int, default=256)
+    ap.add_argument("--quick", action="store_true", help="first decode/prefill rows only")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    dev = jax.devices()[0]
+    print(f"device: {dev.device_kind}, jax {jax.__version__}, commit {git_commit()[:12]}")
+
+    decode_rows = DECODE_ROWS[:2] if args.quick else DECODE_ROWS
+    prefill_rows = PREFILL_ROWS[:2] if args.quick else PREFILL_ROWS
+    decode = []
+    for B, S, live in decode_rows:
+        decode.append(bench_decode(B, S, live, args.decode_iters))
+        r = decode[-1]
+        print(
+            f"  decode B={B} S={S} live={live}: jax_kv {fmt(r['jax_kv_SEQ_MAJOR'], 1e6)} us "
+            f"(seq-major), cuDNN {fmt(r['cudnn'], 1e6)} us, XLA {fmt(r['xla'], 1e6)} us",
+            flush=True,
+        )
+    prefill = []
+    for T, past in prefill_rows:
+        iters = max(2, min(64, 2**25 // (T * T + T * past)))
+        prefill.append(bench_prefill(T, past, iters))
+        print(f"  prefill T={T} past={past} done", flush=True)
+
+    print_decode(decode)
+    print_prefill(prefill)
+    errors = {
+        f"{i}:{k}": v
+        for i, r in enumerate(decode + prefill)
+        for k, v in r.items()
+        if k.startswith("error_") and v
+    }
+    for k, v in errors.items():
+        print(f"  {k}: {v}")
+    meta = {
+        "gpu": dev.device_kind,
+        "jax": jax.__version__,
+        "commit": git_commit(),
+        "dtype": "bfloat16",
+        "Hq": HQ,
+        "Hkv": HKV,
+        "D": D,
+        "repeats": REPEATS,
+        "decode_iters": args.decode_iters,
+        "timing": "median wall time of one jitted lax.fori_loop call / iterations",
+    }
+    with open(os.path.join(args.out, "attention.json"), "w") as f:
+        json.dump({"meta": meta, "decode": decode, "prefill": prefill}, f, indent=1)
+    plot(decode, prefill, os.path.join(args.out, "attention.png"))
+    print(f"wrote {args.out}/attention.json and attention.png")
+
+
+if __name__ == "__main__":
+    main()

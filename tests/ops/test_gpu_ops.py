@@ -1,0 +1,359 @@
+"""The CUDA handlers against the CPU handlers and the float64 reference: both layouts, every
+dtype, GQA ratios 1..8 and 7, head dims, lengths at split-chunk edges, ragged prefill, window,
+softcap; the device-side status path; the host-call counter as the CUDA-graph replay signal.
+
+Run twice, with command buffers forced on (XLA_FLAGS=--xla_gpu_graph_min_graph_size=1) and
+off (--xla_gpu_enable_command_buffer=); the counter test starts its own processes for both.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from inputs import DTYPES, HEAD_DIMS, HEADS, caches, randn
+from reference import (
+    TOL,
+    assert_close,
+    gqa_attention_ref,
+    gqa_decode_ref,
+    grow_cache_ref,
+)
+
+from jax_kv import Layout, gqa_decode, gqa_prefill, grow_cache
+
+pytestmark = pytest.mark.gpu
+LAYOUTS = list(Layout)
+layout_ids = lambda x: x.name  # noqa: E731
+dtype_ids = lambda d: jnp.dtype(d).name  # noqa: E731
+
+
+def cuda_module():
+    from jax_kv import _ffi
+
+    _ffi.register()
+    mod = _ffi.cuda_module()
+    assert mod is not None, "jax_kv._ffi_cuda is not built (JAX_KV_CUDA=ON) or no CUDA backend"
+    return mod
+
+
+def on_cpu(fn, *args, **kw):
+    """The same jitted function on the CPU handlers (inputs committed to the CPU device)."""
+    cpu = jax.devices("cpu")[0]
+    return jax.jit(fn)(*jax.device_put(args, cpu), **jax.device_put(kw, cpu))
+
+
+def on_gpu(fn, *args, **kw):
+    gpu = jax.devices("cuda")[0]
+    return jax.jit(fn)(*jax.device_put(args, gpu), **jax.device_put(kw, gpu))
+
+
+def decode_lengths(rng, B, S, num_splits):
+    """0, 1, S - 1, both sides of the minimum split chunk (32: L = 32 leaves the new token
+    alone in split 1), both sides of the chunk the splits give at S - 1, random."""
+    chunk = -(-S // max(1, num_splits))
+    chunk = max(32, (chunk + 15) & ~15)
+    fixed = [0, 1, S - 1, 31, 32, chunk - 1, chunk, 2 * chunk]
+    vals = [fixed[i] if i < len(fixed) else int(rng.integers(0, S)) for i in range(B)]
+    return np.minimum(np.asarray(vals, np.int32), S - 1)
+
+
+def check_decode(rng, layout, dtype, Hq, Hkv, D, *, S=1024, B=8, **kw):
+    splits = cuda_module().num_splits(B, Hq, Hkv)
+    q = randn(rng, (B, Hq, D), dtype)
+    k, v = randn(rng, (B, Hkv, D), dtype), randn(rng, (B, Hkv, D), dtype)
+    kc, vc = caches(rng, layout, B, S, Hkv, D, dtype)
+    lengths = jnp.asarray(decode_lengths(rng, B, S, splits))
+
+    def fn(*a):
+        return gqa_decode(*a, layout=layout, **kw)
+
+    out, kc2, vc2 = on_gpu(fn, q, k, v, kc, vc, lengths)
+    cpu_out, _, _ = on_cpu(fn, q, k, v, kc, vc, lengths)
+    ref_out, ref_kc, ref_vc = gqa_decode_ref(
+        q, k, v, kc, vc, np.asarray(lengths), layout=int(layout), **kw
+    )
+    name = jnp.dtype(dtype).name
+    assert out.dtype == dtype and out.shape == (B, Hq, D)
+    err = assert_close(out, ref_out, name, "out vs float64 reference")
+    assert_close(out, np.asarray(cpu_out, np.float64), name, "out vs CPU handler")
+    np.testing.assert_array_equal(np.asarray(kc2, np.float64), ref_kc)
+    np.testing.assert_array_equal(np.asarray(vc2, np.float64), ref_vc)
+    return err
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"Hq{h[0]}-Hkv{h[1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
+def test_decode_matches_cpu_and_reference(rng, layout, dtype, heads):
+    check_decode(rng, layout, dtype, *heads, D=128)
+
+
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=dtype_ids)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
+def test_decode_head_dims(rng, layout, dtype, D):
+    check_decode(rng, layout, dtype, 28, 4, D, S=512, B=6)
+
+
+@pytest.mark.parametrize("heads", [(64, 4), (8, 1)], ids=lambda h: f"Hq{h[0]}-Hkv{h[1]}")
+def test_decode_large_groups(rng, heads):
+    # 16 query heads per KV head take two head chunks of 8; MQA with 8.
+    check_decode(rng, Layout.SEQ_MAJOR, jnp.bfloat16, *heads, D=64, S=256, B=3)
+
+
+@pytest.mark.parametrize("window", [1, 7, 100, 1000])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
+def test_decode_window(rng, layout, window):
+    check_decode(rng, layout, jnp.bfloat16, 32, 8, 128, window=window)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
+def test_decode_softcap_and_scale(rng, layout):
+    check_decode(rng, layout, jnp.float32, 8, 2, 128, softcap=2.0, scale=0.5)
+    check_decode(rng, layout, jnp.float16, 8, 2, 128, softcap=30.0, window=16)
+
+
+def test_decode_large_capacity_few_live(rng):
+    # 131072 slots, 1024 live: the grid follows lengths, never S.
+    B, Hq, Hkv, D, S = 1, 32, 8, 128, 131072
+    q = randn(rng, (B, Hq, D), jnp.bfloat16)
+    k, v = randn(rng, (B, Hkv, D), jnp.bfloat16), randn(rng, (B, Hkv, D), jnp.bfloat16)
+    kc, vc = caches(rng, Layout.SEQ_MAJOR, B, S, Hkv, D, jnp.bfloat16)
+    lengths = jnp.asarray([1023], jnp.int32)
+    out, kc2, _ = on_gpu(
+        lambda *a: gqa_decode(*a, layout=Layout.SEQ_MAJOR), q, k, v, kc, vc, lengths
+    )
+    live = slice(0, 1024)
+    ref_out, ref_kc, _ = gqa_decode_ref(
+        q, k, v, kc[:, live], vc[:, live], np.asarray(lengths), layout=1
+    )
+    assert_close(out, ref_out, "bfloat16")
+    np.testing.assert_array_equal(np.asarray(kc2[:, live], np.float64), ref_kc)
+    np.testing.assert_array_equal(np.asarray(kc2[:, 1024:]), np.asarray(kc[:, 1024:]))
+
+
+def check_prefill(rng, layout, dtype, Hq, Hkv, D, *, T=70, S=200, **kw):
+    # Sequences: no past + full prompt, past + empty prompt, past up to S - T, one token,
+    # ragged random.
+    past = np.array([0, 5, S - T, 1, int(rng.integers(0, S - T + 1))], np.int32)
+    new = np.array([T, 0, T, 1, int(rng.integers(0, T + 1))], np.int32)
+    B = len(past)
+    q = randn(rng, (B, T, Hq, D), dtype)
+    k, v = randn(rng, (B, T, Hkv, D), dtype), randn(rng, (B, T, Hkv, D), dtype)
+    kc, vc = caches(rng, layout, B, S, Hkv, D, dtype)
+
+    def fn(q, k, v, kc, vc, past, new):
+        return gqa_prefill(q, k, v, kc, vc, past, new_lengths=new, layout=layout, **kw)
+
+    args = (q, k, v, kc, vc, jnp.asarray(past), jnp.asarray(new))
+    out, kc2, vc2 = on_gpu(fn, *args)
+    cpu_out, _, _ = on_cpu(fn, *args)
+    ref_out, ref_kc, ref_vc = gqa_attention_ref(
+        q, k, v, kc, vc, past, new, layout=int(layout), **kw
+    )
+    name = jnp.dtype(dtype).name
+    assert out.dtype == dtype and out.shape == (B, T, Hq, D)
+    err = assert_close(out, ref_out, name, "out vs float64 reference")
+    assert_close(out, np.asarray(cpu_out, np.float64), name, "out vs CPU handler")
+    for b in range(B):  # rows past new_lengths[b] are exactly zero
+        assert not np.asarray(out[b, new[b] :], np.float64).any()
+    np.testing.assert_array_equal(np.asarray(kc2, np.float64), ref_kc)
+    np.testing.assert_array_equal(np.asarray(vc2, np.float64), ref_vc)
+    return err
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"Hq{h[0]}-Hkv{h[1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
+def test_prefill_matches_cpu_and_reference(rng, layout, dtype, heads):
+    check_prefill(rng, layout, dtype, *heads, D=128)
+
+
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=dtype_ids)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
+def test_prefill_head_dims(rng, layout, dtype, D):
+    check_prefill(rng, layout, dtype, 8, 2, D, T=33, S=120)
+
+
+@pytest.mark.parametrize("window", [1, 7, 100])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
+def test_prefill_window(rng, layout, window):
+    check_prefill(rng, layout, jnp.bfloat16, 32, 8, 128, T=130, S=400, window=window)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
+def test_prefill_softcap_and_scale(rng, layout):
+    check_prefill(rng, layout, jnp.bfloat16, 8, 2, 128, softcap=2.0, scale=0.5)
+    check_prefill(rng, layout, jnp.float32, 8, 2, 64, softcap=30.0, window=16)
+
+
+def test_prefill_long_past(rng):
+    # Many 64-key blocks from the cache, then the diagonal blocks from k/v.
+    check_prefill(rng, Layout.HEAD_MAJOR, jnp.float16, 32, 8, 128, T=150, S=1400)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
+def test_grow_cache_matches_cpu_and_reference(rng, layout, dtype):
+    B, Hkv, D, S, S_new = 4, 2, 80, 64, 200
+    cache = randn(rng, layout.cache_shape(B, S, Hkv, D), dtype)
+    lengths = jnp.asarray([0, 1, S, 37], jnp.int32)
+
+    def fn(c, n):
+        return grow_cache(c, n, S_new, layout=layout)
+
+    grown = on_gpu(fn, cache, lengths)
+    np.testing.assert_array_equal(
+        np.asarray(grown, np.float64),
+        grow_cache_ref(cache, np.asarray(lengths), S_new, layout=int(layout)),
+    )
+    np.testing.assert_array_equal(np.asarray(grown), np.asarray(on_cpu(fn, cache, lengths)))
+
+
+# --- device-side bounds: status latched, cache untouched, out NaN --------------------------
+
+
+def test_decode_status_out_of_range(rng):
+    layout, B, Hq, Hkv, D, S = Layout.HEAD_MAJOR, 3, 8, 2, 64, 96
+    q = randn(rng, (B, Hq, D), jnp.bfloat16)
+    k, v = randn(rng, (B, Hkv, D), jnp.bfloat16), randn(rng, (B, Hkv, D), jnp.bfloat16)
+    kc, vc = caches(rng, layout, B, S, Hkv, D, jnp.bfloat16)
+    lengths = jnp.asarray([-1, S, 40], jnp.int32)  # traced under jit: no Python check
+    out, kc2, vc2, status = on_gpu(
+        lambda *a: gqa_decode(*a, layout=layout, return_status=True), q, k, v, kc, vc, lengths
+    )
+    assert np.asarray(status).tolist() == [1, 1, 0]
+    assert np.isnan(np.asarray(out[:2], np.float32)).all()
+    ref_out, ref_kc, _ = gqa_decode_ref(q[2:], k[2:], v[2:], kc[2:], vc[2:], [40], layout=0)
+    assert_close(out[2:], ref_out, "bfloat16")
+    np.testing.assert_array_equal(np.asarray(kc2[:2]), np.asarray(kc[:2]))
+    np.testing.assert_array_equal(np.asarray(vc2[:2]), np.asarray(vc[:2]))
+    np.testing.assert_array_equal(np.asarray(kc2[2:], np.float64), ref_kc)
+
+
+def test_prefill_status_out_of_range(rng):
+    layout, B, T, Hq, Hkv, D, S = Layout.SEQ_MAJOR, 3, 8, 8, 2, 64, 40
+    q = randn(rng, (B, T, Hq, D), jnp.float16)
+    k, v = randn(rng, (B, T, Hkv, D), jnp.float16), randn(rng, (B, T, Hkv, D), jnp.float16)
+    kc, vc = caches(rng, layout, B, S, Hkv, D, jnp.float16)
+    past = jnp.asarray([0, S - 2, 3], jnp.int32)
+    new = jnp.asarray([T + 1, 3, 5], jnp.int32)  # new_lengths > T; S - 2 + 3 > S; ok
+    out, kc2, vc2, status = on_gpu(
+        lambda q, k, v, kc, vc, p, n: gqa_prefill(
+            q, k, v, kc, vc, p, new_lengths=n, layout=layout, return_status=True
+        ),
+        q,
+        k,
+        v,
+        kc,
+        vc,
+        past,
+        new,
+    )
+    assert np.asarray(status).tolist() == [2, 1, 0]
+    assert np.isnan(np.asarray(out[:2], np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(kc2[:2]), np.asarray(kc[:2]))
+    np.testing.assert_array_equal(np.asarray(vc2[:2]), np.asarray(vc[:2]))
+    ref_out, ref_kc, _ = gqa_attention_ref(q[2:], k[2:], v[2:], kc[2:], vc[2:], [3], [5], layout=1)
+    assert_close(out[2:], ref_out, "float16")
+    np.testing.assert_array_equal(np.asarray(kc2[2:], np.float64), ref_kc)
+
+
+def test_grow_status_out_of_range(rng):
+    layout, B, Hkv, D, S, S_new = Layout.HEAD_MAJOR, 3, 2, 64, 16, 32
+    cache = randn(rng, layout.cache_shape(B, S, Hkv, D), jnp.float32)
+    cuda_module()
+    call = jax.ffi.ffi_call(
+        "jax_kv_grow_cache",
+        (
+            jax.ShapeDtypeStruct(layout.cache_shape(B, S_new, Hkv, D), jnp.float32),
+            jax.ShapeDtypeStruct((B,), jnp.int32),
+        ),
+        vmap_method="sequential",
+    )
+    grown, status = on_gpu(
+        lambda c, n: call(c, n, layout=np.int32(int(layout))),
+        cache,
+        jnp.asarray([-1, S + 1, 5], jnp.int32),
+    )
+    assert np.asarray(status).tolist() == [1, 1, 0]
+    assert not np.asarray(grown[:2]).any()
+    np.testing.assert_array_equal(
+        np.asarray(grown[2:], np.float64),
+        grow_cache_ref(cache[2:], [5], S_new, layout=int(layout)),
+    )
+
+
+def test_workspace_independent_of_capacity():
+    mod = cuda_module()
+    sizes = {mod.workspace_floats("decode", 1, 1, 32, 128, s) for s in (1024, 4096, 131072)}
+    assert len(sizes) == 1
+    assert mod.workspace_floats("prefill", 1, 4096, 32, 128, 4096) == 0
+    assert mod.num_splits(1, 32, 8) > 1  # B=1 spreads over the SMs
+
+
+def test_tolerance_table_covers_dtypes():
+    assert set(TOL) == {jnp.dtype(d).name for d in DTYPES}
+
+
+# --- the CUDA-graph replay signal ------------------------------------------------------------
+
+_COUNTER_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    from jax_kv import Layout, gqa_decode, _ffi
+    _ffi.register()
+    cuda = _ffi.cuda_module()
+    B, Hq, Hkv, D, S = 2, 8, 2, 64, 256
+    rng = np.random.default_rng(0)
+    r = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32), jnp.bfloat16)
+    q, k, v = r(B, Hq, D), r(B, Hkv, D), r(B, Hkv, D)
+    kc, vc = jnp.copy(r(B, S, Hkv, D)), jnp.copy(r(B, S, Hkv, D))
+    lengths = jnp.asarray([3, 100], jnp.int32)
+    step = jax.jit(lambda q, k, v, kc, vc, n: gqa_decode(q, k, v, kc, vc, n,
+                   layout=Layout.SEQ_MAJOR), donate_argnums=(3, 4))
+    for _ in range(5):  # warm-up: compile, record
+        out, kc, vc = step(q, k, v, kc, vc, lengths)
+        out.block_until_ready()
+        del out
+    cuda.reset_host_calls()
+    steps = 20
+    for _ in range(steps):
+        out, kc, vc = step(q, k, v, kc, vc, lengths)
+        out.block_until_ready()
+        del out
+    print(json.dumps({"steps": steps, **cuda.host_calls()}))
+    """
+)
+
+
+@pytest.mark.parametrize("command_buffers", [True, False], ids=["graphs_on", "graphs_off"])
+def test_host_calls_show_graph_replay(command_buffers):
+    flags = (
+        "--xla_gpu_graph_min_graph_size=1"
+        if command_buffers
+        else "--xla_gpu_enable_command_buffer="
+    )
+    env = dict(os.environ, XLA_FLAGS=flags, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    res = subprocess.run(
+        [sys.executable, "-c", _COUNTER_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    counts = json.loads(res.stdout.strip().splitlines()[-1])
+    calls = counts["jax_kv_gqa_decode"]
+    if command_buffers:
+        assert calls == 0, f"replayed steps ran the handler's host code: {counts}"
+    else:
+        assert calls == counts["steps"], counts
