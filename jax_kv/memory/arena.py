@@ -418,9 +418,10 @@ class VmmArena:
         except ArenaExhausted:
             return 0
 
-    def _create(self) -> Any:
+    def _create(self, in_flight: int = 0) -> Any:
         if self.limit_bytes is not None:
-            physical = (len(self._state.mapped) + len(self._state.pool) + 1) * self.granule
+            held = len(self._state.mapped) + len(self._state.pool) + in_flight
+            physical = (held + 1) * self.granule
             if physical > self.limit_bytes:
                 raise ArenaExhausted(f"arena limit of {self.limit_bytes} bytes reached")
         t0 = time.perf_counter()
@@ -486,7 +487,7 @@ class VmmArena:
             try:
                 d.make_current()
                 while len(self._state.pool) + len(handles) < len(missing):
-                    handles.append(self._create())
+                    handles.append(self._create(in_flight=len(handles)))
                 handles = [
                     self._state.pool.pop() for _ in range(len(missing) - len(handles))
                 ] + handles

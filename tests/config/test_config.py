@@ -1,0 +1,122 @@
+"""RuntimeConfig: JAX_KV_* read once, validated, frozen; a change after the freeze is an error
+naming the variable. Each case runs in its own process, as config-dependent tests must."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jax_kv.config import ConfigError, RuntimeConfig, from_env, variables
+
+
+def run(code: str, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("JAX_KV_")}
+    clean.update(env)
+    clean.setdefault("JAX_PLATFORMS", "cpu")
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_defaults():
+    assert from_env({}) == RuntimeConfig()
+    assert RuntimeConfig().min_bucket == 256
+
+
+def test_parses_each_variable():
+    env = {
+        "JAX_KV_MIN_BUCKET": "64",
+        "JAX_KV_ARENA": "Eager",
+        "JAX_KV_RESERVE_BYTES": "64G",
+        "JAX_KV_COMMIT_AHEAD": "128",
+        "JAX_KV_POOL_BYTES": "0",
+    }
+    assert set(env) == set(variables())
+    assert from_env(env) == RuntimeConfig(64, "eager", 64 << 30, 128, 0)
+
+
+@pytest.mark.parametrize(
+    "name, raw",
+    [
+        ("JAX_KV_MIN_BUCKET", "100"),
+        ("JAX_KV_MIN_BUCKET", "abc"),
+        ("JAX_KV_ARENA", "cuda"),
+        ("JAX_KV_RESERVE_BYTES", "-1"),
+        ("JAX_KV_RESERVE_BYTES", "12X"),
+        ("JAX_KV_COMMIT_AHEAD", "0"),
+    ],
+)
+def test_invalid_value_names_the_variable(name, raw):
+    with pytest.raises(ConfigError, match=name):
+        from_env({name: raw})
+
+
+def test_change_after_freeze_raises_naming_variable_and_values():
+    r = run(
+        """
+        import os
+        from jax_kv.config import runtime_config, ConfigChangedError
+        assert runtime_config().min_bucket == 64
+        assert runtime_config().min_bucket == 64  # unchanged: fine
+        os.environ["JAX_KV_MIN_BUCKET"] = "32"
+        try:
+            runtime_config()
+        except ConfigChangedError as e:
+            print("ERR", e)
+        """,
+        JAX_KV_MIN_BUCKET="64",
+    )
+    assert r.returncode == 0, r.stderr
+    assert "ERR JAX_KV_MIN_BUCKET" in r.stdout
+    assert "frozen value '64'" in r.stdout and "current value '32'" in r.stdout
+
+
+def test_newly_set_variable_after_freeze_raises():
+    r = run(
+        """
+        import os
+        from jax_kv.config import runtime_config, ConfigChangedError
+        runtime_config()
+        os.environ["JAX_KV_ARENA"] = "eager"
+        try:
+            runtime_config()
+        except ConfigChangedError as e:
+            print("ERR", e)
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert "ERR JAX_KV_ARENA" in r.stdout and "frozen value None" in r.stdout
+
+
+def test_env_feeds_cache_and_explicit_argument_wins():
+    r = run(
+        """
+        import jax.numpy as jnp
+        from jax_kv.cache import KvCache
+        kw = dict(num_layers=1, batch=1, num_kv_heads=1, head_dim=64, dtype=jnp.float32)
+        a = KvCache(**kw)
+        b = KvCache(**kw, min_bucket=16)
+        print(type(a.arena).__name__, a.capacity, b.capacity)
+        """,
+        JAX_KV_MIN_BUCKET="32",
+        JAX_KV_ARENA="eager",
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["EagerArena", "32", "16"]
+
+
+def test_invalid_env_fails_at_first_read():
+    r = run(
+        """
+        from jax_kv.config import runtime_config
+        runtime_config()
+        """,
+        JAX_KV_ARENA="gpu",
+    )
+    assert r.returncode != 0 and "JAX_KV_ARENA: expected vmm, eager or auto" in r.stderr
