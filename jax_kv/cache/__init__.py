@@ -406,7 +406,12 @@ class KvCache:
         if self.layout == Layout.SEQ_MAJOR:
             new = min(self.max_len, -(-n // self.commit_step) * self.commit_step)
             slot = self.max_len * tok  # one sequence's slot, reserved at max_len
-            ranges = [(r, b * slot, b * slot + new * tok) for r in self._regions for b in range(B)]
+            # Only the delta [old, new) of each slot: earlier granules are already mapped.
+            ranges = [
+                (r, b * slot + old * tok, b * slot + new * tok)
+                for r in self._regions
+                for b in range(B)
+            ]
             report = self._commit(ranges, n)
             self.capacity = new
             return GrowthEvent(
@@ -424,7 +429,7 @@ class KvCache:
         # Head-major: the per-head stride is the capacity, so every (b, h) stripe moves.
         new = bucket_for(n, self.min_bucket, self.max_len)
         row = tok // H  # one token of one head: D * itemsize
-        ranges = [(r, 0, B * H * new * row) for r in self._regions]
+        ranges = [(r, B * H * old * row, B * H * new * row) for r in self._regions]
         live_per_binding = int(self.lengths.astype(np.int64).sum()) * H * row
         if live_per_binding and not first:
             if self._scratch is None or self._scratch.reserved_bytes < live_per_binding:

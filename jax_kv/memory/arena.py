@@ -15,6 +15,7 @@ releases it from the capsule deleter.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import threading
@@ -139,6 +140,7 @@ class Region:
         self.reserved_bytes = reserved_bytes
         self.nbytes = nbytes
         self.freed = False
+        self.granules = 0  # committed granules, kept by the arena
 
     @property
     def ptr(self) -> int:
@@ -146,7 +148,7 @@ class Region:
 
     @property
     def committed_bytes(self) -> int:
-        return self.arena._committed_in(self.offset, self.offset + self.reserved_bytes)
+        return self.granules * self.arena.granule
 
     def commit(self, nbytes: int) -> CommitReport:
         """Commits the prefix [0, nbytes) (rounded up to granules)."""
@@ -222,6 +224,7 @@ class VmmArena:
         self.limit_bytes = limit_bytes
         self._free_va: list[tuple[int, int]] = []  # (offset, size), sorted, coalesced
         self._regions: dict[int, Region] = {}
+        self._starts: list[int] = []  # sorted region offsets
         self._pending: set[int] = set()
         self._views: dict[int, tuple[int, int]] = {}
         self._next_key = 0
@@ -359,6 +362,7 @@ class VmmArena:
                         )
                         region = Region(self, off, size, int(nbytes))
                         self._regions[off] = region
+                        bisect.insort(self._starts, off)
                         return region
                 if attempt == 0 and self._pending:
                     self.flush()
@@ -380,6 +384,7 @@ class VmmArena:
             self.flush()
             region.freed = True
             del self._regions[region.offset]
+            self._starts.remove(region.offset)
             self._free_va.append((lo, region.reserved_bytes))
             self._free_va.sort()
             merged: list[tuple[int, int]] = []
@@ -396,9 +401,13 @@ class VmmArena:
 
     # -- commit / decommit -------------------------------------------------------------------
 
-    def _committed_in(self, lo: int, hi: int) -> int:
-        g = self.granule
-        return sum(1 for i in range(lo // g, hi // g) if i in self._state.mapped) * g
+    def _region_of(self, index: int) -> Region | None:
+        offset = index * self.granule
+        i = bisect.bisect_right(self._starts, offset) - 1
+        if i < 0:
+            return None
+        region = self._regions[self._starts[i]]
+        return region if offset < region.offset + region.reserved_bytes else None
 
     def prefill(self, nbytes: int) -> int:
         """Creates physical handles until the pool holds `nbytes`; returns handles created."""
@@ -515,6 +524,9 @@ class VmmArena:
                 ) from e
             for index, handle in zip(missing, handles, strict=True):
                 self._state.mapped[index] = handle
+                region = self._region_of(index)
+                if region is not None:
+                    region.granules += 1
             seconds = time.perf_counter() - t0
             self._commit_seconds += seconds
             return CommitReport(len(missing), len(missing), len(runs), seconds)
@@ -547,6 +559,9 @@ class VmmArena:
                 self._counts["unmap"] += 1
                 handle = self._state.mapped.pop(index)
                 self._pending.discard(index)
+                region = self._region_of(index)
+                if region is not None:
+                    region.granules -= 1
                 if len(self._state.pool) * g < self.pool_target:
                     self._state.pool.append(handle)
                 else:
