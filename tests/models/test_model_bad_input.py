@@ -11,9 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from model_ref import make_hf_model
+from model_ref import make_hf_model, write_gguf
 from safetensors.numpy import load_file, save_file
-from test_model_gguf import write_gguf
 
 import jax_kv.models as jm
 from jax_kv import Layout
