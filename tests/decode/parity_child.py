@@ -1,0 +1,91 @@
+"""One Generator-vs-transformers parity configuration, run in its own process (the seed's
+lesson: process-frozen state must not leak between configurations).
+
+    python tests/decode/parity_child.py MODEL LAYOUT MIN_BUCKET NEW_TOKENS [DTYPE]
+
+MODEL is a tiny random checkpoint name of tests/models/model_ref.py, or "smollm2". Prints one
+JSON line: the Generator's tokens and stats, and transformers' greedy tokens per prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+
+import numpy as np  # noqa: E402
+from model_ref import import_reference, make_hf_model, quiet  # noqa: E402
+
+import jax_kv.models as jm  # noqa: E402
+from jax_kv.decode import Generator  # noqa: E402
+
+PROMPTS_TEXT = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "1, 2, 3,",
+]
+
+
+def hf_greedy(ref, hf_model, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy tokens, by hand over its own KV cache: generate() would stop at
+    the checkpoint's EOS, and this comparison wants every one of the tokens."""
+    torch = ref.torch
+    out: list[int] = []
+    ids, past = torch.tensor([prompt]), None
+    with torch.no_grad(), quiet():
+        for _ in range(new_tokens):
+            step = hf_model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = step.past_key_values
+            out.append(int(step.logits[0, -1].argmax()))
+            ids = torch.tensor([[out[-1]]])
+    return out
+
+
+def main() -> None:
+    name, layout, min_bucket, new_tokens = (
+        sys.argv[1],
+        sys.argv[2],
+        int(sys.argv[3]),
+        int(sys.argv[4]),
+    )
+    dtype = sys.argv[5] if len(sys.argv) > 5 else "float32"
+    ref = import_reference()
+    if name == "smollm2":
+        path = jm.default_gguf_path(install=True)
+        model = jm.load(path, dtype=dtype, progress=False)
+        with quiet():
+            hf_model = ref.transformers.AutoModelForCausalLM.from_pretrained(
+                path.parent, gguf_file=path.name, dtype=ref.torch.float32
+            ).eval()
+        prompts = [model.encode(t) for t in PROMPTS_TEXT]
+    else:
+        hf_model = make_hf_model(ref, name)
+        tmp = tempfile.mkdtemp()
+        with quiet():
+            hf_model.save_pretrained(tmp)
+        model = jm.load(tmp, dtype=dtype, progress=False)
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(3, model.config.vocab_size, n).tolist() for n in (5, 11, 3)]
+    gen = Generator(model, layout=layout, min_bucket=min_bucket)
+    result = gen.generate(prompts, new_tokens, stop_tokens=())
+    want = [hf_greedy(ref, hf_model, p, new_tokens) for p in prompts]
+    stats = result.stats.as_dict()
+    stats["decisions"] = [d.__dict__ if hasattr(d, "__dict__") else d for d in stats["decisions"]]
+    print(
+        json.dumps(
+            dict(
+                tokens=result.tokens,
+                want=want,
+                texts=result.texts,
+                stats=stats,
+                prompt_lengths=[len(p) for p in prompts],
+            )
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
