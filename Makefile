@@ -1,5 +1,5 @@
 # The two commands of the README, each doing all its set-up on a fresh machine:
-#   make demo   builds jax_kv into .venv and runs the demo
+#   make demo   builds jax_kv into .venv and generates with the default model (SmolLM2-135M)
 #   make test   builds jax_kv into .venv, checks formatting and lint, runs the test suite
 # GPU build: JAX_KV_CUDA=ON make install (needs nvcc; see README "Running on a GPU").
 
@@ -10,7 +10,7 @@ SOURCES := $(shell git ls-files 'ffi/*' 'cuda/*' 'cmake/*' CMakeLists.txt pyproj
 PY_FILES := jax_kv tests bench
 CXX_FILES := $(shell git ls-files '*.cc' '*.h' '*.cu' '*.cuh' 2>/dev/null)
 
-.PHONY: install demo test lint format clean
+.PHONY: install install-test demo test lint format clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,15 +20,21 @@ $(BIN)/python:
 # (no second download of jaxlib into a throwaway build environment).
 $(VENV)/.installed: $(BIN)/python $(SOURCES)
 	$(BIN)/pip install -q "scikit-build-core>=0.10" "nanobind>=2.4" "jax>=0.8" "jaxlib>=0.8"
+	$(BIN)/pip install -q --no-build-isolation -C build-dir=build/venv -e .
+	touch $@
+
+# The test extra: transformers and the CPU build of torch, the references the tests compare to.
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q --no-build-isolation -C build-dir=build/venv -e ".[test,dev]"
 	touch $@
 
 install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
 
 demo: install
-	$(BIN)/python -m jax_kv demo
+	$(BIN)/python -m jax_kv generate --max-new-tokens 32
 
-lint: install
+lint: install-test
 	$(BIN)/ruff check $(PY_FILES)
 	$(BIN)/ruff format --check $(PY_FILES)
 	$(BIN)/clang-format --dry-run -Werror $(CXX_FILES)
@@ -36,7 +42,7 @@ lint: install
 test: lint
 	$(BIN)/python -m pytest -q
 
-format: install
+format: install-test
 	$(BIN)/ruff format $(PY_FILES)
 	$(BIN)/ruff check --fix $(PY_FILES)
 	$(BIN)/clang-format -i $(CXX_FILES)
