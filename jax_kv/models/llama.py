@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -155,6 +155,7 @@ def prefill(
     *,
     layout: Layout | str | int,
     last_only: bool = False,
+    attention: Callable[..., Any] = gqa_prefill,
 ) -> tuple[jax.Array, Caches]:
     """Runs T new tokens per sequence through the decoder, appending their K/V to the caches.
 
@@ -169,6 +170,8 @@ def prefill(
             lengths[b] + t (its RoPE position and its cache slot).
         layout: the caches' Layout.
         last_only: return only the logits of each row's last real token.
+        attention: gqa_prefill, or a function of the same contract (the benchmarks' plain-JAX
+            comparator, jax_kv.ops.xla_attention.xla_gqa_prefill).
 
     Returns:
         (logits, caches): float32 logits [B, T, V] (rows t >= new_lengths[b] are
@@ -187,7 +190,7 @@ def prefill(
     for p, (k_cache, v_cache) in zip(params["layers"], caches, strict=True):
         q, k, v = _qkv(p, config, rms_norm(x, p["attn_norm"], config.rms_norm_eps), positions)
         # attn: [B, T, Hq, D]
-        attn, k_cache, v_cache = gqa_prefill(
+        attn, k_cache, v_cache = attention(
             q, k, v, k_cache, v_cache, lengths, new_lengths=new_lengths, layout=layout
         )
         x = x + _linear(attn.reshape(B, T, -1), p["wo"])
@@ -207,8 +210,12 @@ def decode_step(
     lengths: jax.Array,
     *,
     layout: Layout | str | int,
+    attention: Callable[..., Any] = gqa_decode,
 ) -> tuple[jax.Array, Caches]:
     """One token per sequence: tokens int32 [B] at positions lengths [B] (< S).
+
+    `attention` is gqa_decode or a function of the same contract (the benchmarks' plain-JAX
+    comparator, jax_kv.ops.xla_attention.xla_gqa_decode).
 
     Returns (float32 logits [B, V], caches); the caller advances lengths by 1.
     """
@@ -224,7 +231,7 @@ def decode_step(
     for p, (k_cache, v_cache) in zip(params["layers"], caches, strict=True):
         q, k, v = _qkv(p, config, rms_norm(x, p["attn_norm"], config.rms_norm_eps), positions)
         # attn: [B, Hq, D]
-        attn, k_cache, v_cache = gqa_decode(
+        attn, k_cache, v_cache = attention(
             q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, lengths, layout=layout
         )
         x = x + _linear(attn.reshape(B, 1, -1), p["wo"])

@@ -1,7 +1,7 @@
 """One Generator-vs-transformers parity configuration, run in its own process (the seed's
 lesson: process-frozen state must not leak between configurations).
 
-    python tests/decode/parity_child.py MODEL LAYOUT MIN_BUCKET NEW_TOKENS [DTYPE]
+    python tests/decode/parity_child.py MODEL LAYOUT MIN_BUCKET NEW_TOKENS [DTYPE [DEVICE]]
 
 MODEL is a tiny random checkpoint name of tests/models/model_ref.py, or "smollm2". Prints one
 JSON line: the Generator's tokens and stats, and transformers' greedy tokens per prompt.
@@ -34,13 +34,14 @@ def hf_greedy(ref, hf_model, prompt: list[int], new_tokens: int) -> list[int]:
     the checkpoint's EOS, and this comparison wants every one of the tokens."""
     torch = ref.torch
     out: list[int] = []
-    ids, past = torch.tensor([prompt]), None
+    device = next(hf_model.parameters()).device
+    ids, past = torch.tensor([prompt], device=device), None
     with torch.no_grad(), quiet():
         for _ in range(new_tokens):
             step = hf_model(input_ids=ids, past_key_values=past, use_cache=True)
             past = step.past_key_values
             out.append(int(step.logits[0, -1].argmax()))
-            ids = torch.tensor([[out[-1]]])
+            ids = torch.tensor([[out[-1]]], device=device)
     return out
 
 
@@ -52,6 +53,7 @@ def main() -> None:
         int(sys.argv[4]),
     )
     dtype = sys.argv[5] if len(sys.argv) > 5 else "float32"
+    device = sys.argv[6] if len(sys.argv) > 6 else "cpu"
     ref = import_reference()
     if name == "smollm2":
         path = jm.default_gguf_path(install=True)
@@ -69,6 +71,8 @@ def main() -> None:
         model = jm.load(tmp, dtype=dtype, progress=False)
         rng = np.random.default_rng(0)
         prompts = [rng.integers(3, model.config.vocab_size, n).tolist() for n in (5, 11, 3)]
+    # transformers runs in the Generator's dtype on the same kind of device.
+    hf_model = hf_model.to(device=device, dtype=getattr(ref.torch, dtype))
     gen = Generator(model, layout=layout, min_bucket=min_bucket)
     result = gen.generate(prompts, new_tokens, stop_tokens=())
     want = [hf_greedy(ref, hf_model, p, new_tokens) for p in prompts]

@@ -14,10 +14,23 @@ CHILD = Path(__file__).with_name("parity_child.py")
 NEW_TOKENS = 64
 
 
-def run_child(model: str, layout: str, min_bucket: int, dtype: str = "float32") -> dict:
-    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+def run_child(
+    model: str, layout: str, min_bucket: int, dtype: str = "float32", device: str = "cpu"
+) -> dict:
+    env = dict(os.environ)
+    if device == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
-        [sys.executable, str(CHILD), model, layout, str(min_bucket), str(NEW_TOKENS), dtype],
+        [
+            sys.executable,
+            str(CHILD),
+            model,
+            layout,
+            str(min_bucket),
+            str(NEW_TOKENS),
+            dtype,
+            device,
+        ],
         capture_output=True,
         text=True,
         env=env,
