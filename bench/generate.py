@@ -123,7 +123,7 @@ def run_transformers(config, prompts: np.ndarray, new_tokens: int) -> dict:
         ).eval()
     ids = torch.as_tensor(prompts, device="cuda")
 
-    def gen(n: int) -> float:
+    def gen(n: int, model=model) -> float:
         cfg = transformers.GenerationConfig(
             max_new_tokens=n,
             min_new_tokens=n,
