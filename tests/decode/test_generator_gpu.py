@@ -1,7 +1,10 @@
 """The Generator on a GPU (bf16, VMM arena): seq-major keeps its compiled step across every
 growth (captures == 1, growth_keeps == growth_events, 0 bytes moved) and XLA replays the
 recorded CUDA graph (no handler host calls after the first step); head-major invalidates at
-each growth. Each configuration runs in its own process."""
+each growth. Each configuration runs in its own process.
+
+The model is a tiny random Llama checkpoint written by transformers: SmolLM2's 92 MiB GGUF
+cannot travel to the device machine (64 MiB limit, no network there)."""
 
 import pytest
 from test_generator_parity import run_child
