@@ -42,22 +42,24 @@ PREFILL_ROWS = [(1024, 0), (4096, 0), (16384, 0), (512, 8192)]  # (T, past), B =
 REPEATS = 5
 
 
-def time_loop(step: Callable, carry, iters: int, unroll: int) -> tuple[float, float]:
-    """(median seconds per step, compile seconds) of `iters` steps in one jitted fori_loop."""
+def time_loop(step: Callable, carry, consts, iters: int, unroll: int) -> tuple[float, float]:
+    """(median seconds per step, compile seconds) of `iters` steps `carry = step(carry, consts)`
+    in one jitted fori_loop. Arrays go in as arguments: closed-over arrays would become XLA
+    constants (constant-folded at compile time, not read like a cache)."""
     # The carry is donated and chained call to call: caches stay in place, no copy per call.
     carry = jax.tree.map(jnp.copy, carry)
     loop = jax.jit(
-        lambda c: lax.fori_loop(0, iters, lambda _, c: step(c), c, unroll=unroll),
+        lambda c, x: lax.fori_loop(0, iters, lambda _, c: step(c, x), c, unroll=unroll),
         donate_argnums=0,
     )
     t0 = time.perf_counter()
-    compiled = loop.lower(carry).compile()
+    compiled = loop.lower(carry, consts).compile()
     compile_s = time.perf_counter() - t0
-    carry = jax.block_until_ready(compiled(carry))  # warm-up
+    carry = jax.block_until_ready(compiled(carry, consts))  # warm-up
     times = []
     for _ in range(REPEATS):
         t0 = time.perf_counter()
-        carry = jax.block_until_ready(compiled(carry))
+        carry = jax.block_until_ready(compiled(carry, consts))
         times.append(time.perf_counter() - t0)
     del carry
     return statistics.median(times) / iters, compile_s
@@ -99,34 +101,35 @@ def bench_decode(B, S, live, iters):
     bytes_live = B * live * HKV * D * 2 * 2
     k_bshd, v_bshd = rand(keys[3], (B, S, HKV, D)), rand(keys[4], (B, S, HKV, D))
 
+    consts = (k_new, v_new, lengths)
     for layout in Layout:
         if layout == Layout.SEQ_MAJOR:
             kc, vc = k_bshd, v_bshd
         else:
             kc, vc = (jnp.swapaxes(x, 1, 2) for x in (k_bshd, v_bshd))
 
-        def step(c, layout=layout):
+        def step(c, x, layout=layout):
             q, kc, vc = c
-            out, kc, vc = gqa_decode(q, k_new, v_new, kc, vc, lengths, layout=layout)
-            return out, kc, vc
+            k_new, v_new, lengths = x
+            return gqa_decode(q, k_new, v_new, kc, vc, lengths, layout=layout)
 
-        t, err = guarded(lambda c=(q, kc, vc), f=step: time_loop(f, c, iters, 8))
+        t, err = guarded(lambda c=(q, kc, vc), f=step: time_loop(f, c, consts, iters, 8))
         row[f"jax_kv_{layout.name}"] = None if t is None else t[0]
         row[f"compile_jax_kv_{layout.name}"] = None if t is None else t[1]
         if err:
             row[f"error_jax_kv_{layout.name}"] = err
 
-    def cudnn_step(q):
+    def cudnn_step(q, x):
+        k, v, n = x
         out = jax.nn.dot_product_attention(
-            q[:, None], k_bshd, v_bshd, key_value_seq_lengths=kv_seq, implementation="cudnn"
+            q[:, None], k, v, key_value_seq_lengths=n, implementation="cudnn"
         )
         return out[:, 0]
 
-    t, err = guarded(lambda: time_loop(cudnn_step, q, iters, 8)[0])
+    consts = (k_bshd, v_bshd, kv_seq)
+    t, err = guarded(lambda: time_loop(cudnn_step, q, consts, iters, 8)[0])
     row["cudnn"], row["error_cudnn"] = t, err
-    t, err = guarded(
-        lambda: time_loop(lambda q: xla_decode(q, k_bshd, v_bshd, kv_seq), q, iters, 8)[0]
-    )
+    t, err = guarded(lambda: time_loop(lambda q, x: xla_decode(q, *x), q, consts, iters, 8)[0])
     row["xla"], row["error_xla"] = t, err
     for name in ("jax_kv_HEAD_MAJOR", "jax_kv_SEQ_MAJOR", "cudnn", "xla"):
         row[f"gbps_{name}"] = None if row[name] is None else bytes_live / row[name] / 1e9
@@ -162,39 +165,37 @@ def bench_prefill(T, past, iters):
     k_bshd = k_bshd.at[:, past:].set(k_new)
     v_bshd = v_bshd.at[:, past:].set(v_new)
 
+    consts = (k_new, v_new, lengths)
     for layout in Layout:
         if layout == Layout.SEQ_MAJOR:
             kc, vc = k_bshd, v_bshd
         else:
             kc, vc = (jnp.swapaxes(x, 1, 2) for x in (k_bshd, v_bshd))
 
-        def step(c, layout=layout):
+        def step(c, x, layout=layout):
             q, kc, vc = c
+            k_new, v_new, lengths = x
             return gqa_prefill(q, k_new, v_new, kc, vc, lengths, layout=layout)
 
-        t, err = guarded(lambda c=(q, kc, vc), f=step: time_loop(f, c, iters, 1)[0])
+        t, err = guarded(lambda c=(q, kc, vc), f=step: time_loop(f, c, consts, iters, 1)[0])
         row[f"jax_kv_{layout.name}"] = t
         if err:
             row[f"error_jax_kv_{layout.name}"] = err
 
-    if past == 0:
+    # jax's is_causal is top-left aligned; with a past the mask must be bottom-right.
+    mask = (jnp.arange(S)[None, :] <= (past + jnp.arange(T))[:, None])[None, None]
 
-        def cudnn_step(q):
-            return jax.nn.dot_product_attention(
-                q, k_bshd, v_bshd, is_causal=True, implementation="cudnn"
-            )
-    else:  # jax's is_causal is top-left aligned; a past needs the bottom-right mask
-        mask = (jnp.arange(S)[None, :] <= (past + jnp.arange(T))[:, None])[None, None]
+    def cudnn_step(q, x):
+        k, v, mask = x
+        if past == 0:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
 
-        def cudnn_step(q):
-            return jax.nn.dot_product_attention(
-                q, k_bshd, v_bshd, mask=mask, implementation="cudnn"
-            )
-
-    t, err = guarded(lambda: time_loop(cudnn_step, q, iters, 1)[0])
+    consts = (k_bshd, v_bshd, mask)
+    t, err = guarded(lambda: time_loop(cudnn_step, q, consts, iters, 1)[0])
     row["cudnn"], row["error_cudnn"] = t, err
     t, err = guarded(
-        lambda: time_loop(lambda q: xla_prefill(q, k_bshd, v_bshd, past), q, iters, 1)[0]
+        lambda: time_loop(lambda q, x: xla_prefill(q, x[0], x[1], past), q, consts, iters, 1)[0]
     )
     row["xla"], row["error_xla"] = t, err
     for name in ("jax_kv_HEAD_MAJOR", "jax_kv_SEQ_MAJOR", "cudnn", "xla"):
@@ -309,31 +310,6 @@ def main():
 
     decode_rows = DECODE_ROWS[:2] if args.quick else DECODE_ROWS
     prefill_rows = PREFILL_ROWS[:2] if args.quick else PREFILL_ROWS
-    decode = []
-    for B, S, live in decode_rows:
-        decode.append(bench_decode(B, S, live, args.decode_iters))
-        r = decode[-1]
-        print(
-            f"  decode B={B} S={S} live={live}: jax_kv {fmt(r['jax_kv_SEQ_MAJOR'], 1e6)} us "
-            f"(seq-major), cuDNN {fmt(r['cudnn'], 1e6)} us, XLA {fmt(r['xla'], 1e6)} us",
-            flush=True,
-        )
-    prefill = []
-    for T, past in prefill_rows:
-        iters = max(2, min(64, 2**25 // (T * T + T * past)))
-        prefill.append(bench_prefill(T, past, iters))
-        print(f"  prefill T={T} past={past} done", flush=True)
-
-    print_decode(decode)
-    print_prefill(prefill)
-    errors = {
-        f"{i}:{k}": v
-        for i, r in enumerate(decode + prefill)
-        for k, v in r.items()
-        if k.startswith("error_") and v
-    }
-    for k, v in errors.items():
-        print(f"  {k}: {v}")
     meta = {
         "gpu": dev.device_kind,
         "jax": jax.__version__,
@@ -346,9 +322,46 @@ def main():
         "decode_iters": args.decode_iters,
         "timing": "median wall time of one jitted lax.fori_loop call / iterations",
     }
-    with open(os.path.join(args.out, "attention.json"), "w") as f:
-        json.dump({"meta": meta, "decode": decode, "prefill": prefill}, f, indent=1)
-    plot(decode, prefill, os.path.join(args.out, "attention.png"))
+    decode, prefill = [], []
+
+    def save():  # after every row: a run cut short still leaves its rows
+        with open(os.path.join(args.out, "attention.json"), "w") as f:
+            json.dump({"meta": meta, "decode": decode, "prefill": prefill}, f, indent=1)
+
+    for B, S, live in decode_rows:
+        decode.append(bench_decode(B, S, live, args.decode_iters))
+        save()
+        r = decode[-1]
+        print(
+            f"  decode B={B} S={S} live={live}: jax_kv {fmt(r['jax_kv_SEQ_MAJOR'], 1e6)} us "
+            f"(seq-major), cuDNN {fmt(r['cudnn'], 1e6)} us, XLA {fmt(r['xla'], 1e6)} us",
+            flush=True,
+        )
+    print_decode(decode)
+    for T, past in prefill_rows:
+        iters = max(2, min(64, 2**25 // (T * T + T * past)))
+        prefill.append(bench_prefill(T, past, iters))
+        save()
+        r = prefill[-1]
+        print(
+            f"  prefill T={T} past={past}: jax_kv {fmt(r['jax_kv_SEQ_MAJOR'], 1e3, '8.3f')} ms, "
+            f"cuDNN {fmt(r['cudnn'], 1e3, '8.3f')} ms",
+            flush=True,
+        )
+    print_decode(decode)
+    print_prefill(prefill)
+    errors = {
+        f"{i}:{k}": v
+        for i, r in enumerate(decode + prefill)
+        for k, v in r.items()
+        if k.startswith("error_") and v
+    }
+    for k, v in errors.items():
+        print(f"  {k}: {v}")
+    try:
+        plot(decode, prefill, os.path.join(args.out, "attention.png"))
+    except ImportError as e:
+        print(f"no plot: {e}")
     print(f"wrote {args.out}/attention.json and attention.png")
 
 

@@ -151,80 +151,89 @@ __global__ void __launch_bounds__(kThreads,
     for (int e = 0; e < E; ++e) acc[g][e] = 0.0f;
   }
 
-  for (int base = c0 + warp * Sh::kWarpTile; base < c1; base += Sh::kCtaTile) {
-    uint4 kr[Sh::kUnroll][Sh::kVpt], vr[Sh::kUnroll][Sh::kVpt];
-    bool valid[Sh::kUnroll];
-#pragma unroll
-    for (int u = 0; u < Sh::kUnroll; ++u) {
-      const int tok = base + u * Sh::kRows + row;
-      valid[u] = tok < c1;
-      const int64_t off = kv_offset(p.cache, b, tok, hkv);
-      const T* kp = tok == L ? k_new : p.k_cache + off;
-      const T* vp = tok == L ? v_new : p.v_cache + off;
-#pragma unroll
-      for (int v = 0; v < Sh::kVpt; ++v) {
-        const int vi = v * Sh::kTpr + col;
-        const bool ld = valid[u] && vi < Sh::kNumVec;
-        kr[u][v] = ld ? ldg16(kp + vi * V) : make_uint4(0, 0, 0, 0);
-        vr[u][v] = ld ? ldg16(vp + vi * V) : make_uint4(0, 0, 0, 0);
-      }
-    }
-    float s[Sh::kUnroll][GROUP];
-#pragma unroll
-    for (int u = 0; u < Sh::kUnroll; ++u) {
-      float kf[E];
-#pragma unroll
-      for (int v = 0; v < Sh::kVpt; ++v) {
-        float f[V];
-        unpack_vec<T>(kr[u][v], f);
-#pragma unroll
-        for (int i = 0; i < V; ++i) kf[v * V + i] = f[i];
-      }
-#pragma unroll
-      for (int g = 0; g < GROUP; ++g) {
-        float dot = 0.0f;
-#pragma unroll
-        for (int e = 0; e < E; ++e) dot = fmaf(q[g][e], kf[e], dot);
-#pragma unroll
-        for (int off = Sh::kTpr / 2; off >= 1; off >>= 1) {
-          dot += __shfl_xor_sync(0xffffffffu, dot, off);
-        }
-        if (use_softcap) dot = cap_log2 * tanhf(dot);
-        s[u][g] = valid[u] ? dot : -INFINITY;
-      }
-    }
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-      float mx = m[g];
-#pragma unroll
-      for (int u = 0; u < Sh::kUnroll; ++u) mx = fmaxf(mx, s[u][g]);
-      const float corr = exp2f(m[g] - mx);
-      m[g] = mx;
-      l[g] *= corr;
-#pragma unroll
-      for (int e = 0; e < E; ++e) acc[g][e] *= corr;
+  // The softcap choice is made once, outside the loop: the loop is compiled twice.
+  auto attend = [&](auto softcap_tag) {
+    constexpr bool SOFTCAP = decltype(softcap_tag)::value;
+    for (int base = c0 + warp * Sh::kWarpTile; base < c1; base += Sh::kCtaTile) {
+      uint4 kr[Sh::kUnroll][Sh::kVpt], vr[Sh::kUnroll][Sh::kVpt];
+      bool valid[Sh::kUnroll];
 #pragma unroll
       for (int u = 0; u < Sh::kUnroll; ++u) {
-        s[u][g] = exp2f(s[u][g] - mx);  // -inf (invalid row) -> 0
-        l[g] += s[u][g];
+        const int tok = base + u * Sh::kRows + row;
+        valid[u] = tok < c1;
+        const int64_t off = kv_offset(p.cache, b, tok, hkv);
+        const T* kp = tok == L ? k_new : p.k_cache + off;
+        const T* vp = tok == L ? v_new : p.v_cache + off;
+#pragma unroll
+        for (int v = 0; v < Sh::kVpt; ++v) {
+          const int vi = v * Sh::kTpr + col;
+          const bool ld = valid[u] && vi < Sh::kNumVec;
+          kr[u][v] = ld ? ldg16(kp + vi * V) : make_uint4(0, 0, 0, 0);
+          vr[u][v] = ld ? ldg16(vp + vi * V) : make_uint4(0, 0, 0, 0);
+        }
       }
-    }
+      float s[Sh::kUnroll][GROUP];
 #pragma unroll
-    for (int u = 0; u < Sh::kUnroll; ++u) {
-      float vf[E];
+      for (int u = 0; u < Sh::kUnroll; ++u) {
+        float kf[E];
 #pragma unroll
-      for (int v = 0; v < Sh::kVpt; ++v) {
-        float f[V];
-        unpack_vec<T>(vr[u][v], f);
+        for (int v = 0; v < Sh::kVpt; ++v) {
+          float f[V];
+          unpack_vec<T>(kr[u][v], f);
 #pragma unroll
-        for (int i = 0; i < V; ++i) vf[v * V + i] = f[i];
+          for (int i = 0; i < V; ++i) kf[v * V + i] = f[i];
+        }
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+          float dot = 0.0f;
+#pragma unroll
+          for (int e = 0; e < E; ++e) dot = fmaf(q[g][e], kf[e], dot);
+#pragma unroll
+          for (int off = Sh::kTpr / 2; off >= 1; off >>= 1) {
+            dot += __shfl_xor_sync(0xffffffffu, dot, off);
+          }
+          if constexpr (SOFTCAP) dot = cap_log2 * TanhBranchless(dot);
+          s[u][g] = valid[u] ? dot : -INFINITY;
+        }
       }
 #pragma unroll
       for (int g = 0; g < GROUP; ++g) {
+        float mx = m[g];
 #pragma unroll
-        for (int e = 0; e < E; ++e) acc[g][e] = fmaf(s[u][g], vf[e], acc[g][e]);
+        for (int u = 0; u < Sh::kUnroll; ++u) mx = fmaxf(mx, s[u][g]);
+        const float corr = exp2f(m[g] - mx);
+        m[g] = mx;
+        l[g] *= corr;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[g][e] *= corr;
+#pragma unroll
+        for (int u = 0; u < Sh::kUnroll; ++u) {
+          s[u][g] = exp2f(s[u][g] - mx);  // -inf (invalid row) -> 0
+          l[g] += s[u][g];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < Sh::kUnroll; ++u) {
+        float vf[E];
+#pragma unroll
+        for (int v = 0; v < Sh::kVpt; ++v) {
+          float f[V];
+          unpack_vec<T>(vr[u][v], f);
+#pragma unroll
+          for (int i = 0; i < V; ++i) vf[v * V + i] = f[i];
+        }
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+#pragma unroll
+          for (int e = 0; e < E; ++e) acc[g][e] = fmaf(s[u][g], vf[e], acc[g][e]);
+        }
       }
     }
+  };
+  if (use_softcap) {
+    attend(std::true_type{});
+  } else {
+    attend(std::false_type{});
   }
 
   // Merge the warp's row groups (lanes that hold the same columns).
@@ -295,17 +304,34 @@ __global__ void __launch_bounds__(kThreads,
 }
 
 // Merges the splits' partials of one (b, query head): out = sum_s acc_s 2^(m_s - M) /
-// sum_s l_s 2^(m_s - M).
+// sum_s l_s 2^(m_s - M). The per-split weights are computed once, in parallel, into shared
+// memory; a loop of dependent L2 round trips per split would cost ~0.2 us each at B=1.
+constexpr int kCombineThreads = 128;
+
+template <typename Op>
+__device__ __forceinline__ float BlockReduce(float v, float* scratch, Op op) {
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, off));
+  __syncthreads();  // scratch may still be read by a previous reduction
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = scratch[0];
+#pragma unroll
+  for (int w = 1; w < kCombineThreads / 32; ++w) v = op(v, scratch[w]);
+  return v;
+}
+
 template <typename T>
-__global__ void __launch_bounds__(128)
+__global__ void __launch_bounds__(kCombineThreads)
     GqaDecodeCombineKernel(const GqaParams<T> p, int num_splits) {
-  const int qh = blockIdx.x, b = blockIdx.y, D = p.head_dim;
+  __shared__ float weight[kMaxSplits];
+  __shared__ float scratch[kCombineThreads / 32];
+  const int qh = blockIdx.x, b = blockIdx.y, D = p.head_dim, tid = threadIdx.x;
   const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + qh;
   T* out = p.out + bh * D;
   const int L = p.lengths[b];
   if (DecodeLengthBad(L, p.capacity)) {
-    for (int d = threadIdx.x; d < D; d += blockDim.x)
-      out[d] = from_f32<T>(__int_as_float(0x7fc00000));
+    for (int d = tid; d < D; d += kCombineThreads) out[d] = from_f32<T>(__int_as_float(0x7fc00000));
     return;
   }
   const int active = PlanSplits(L, p.window, num_splits).active;
@@ -313,13 +339,20 @@ __global__ void __launch_bounds__(128)
   const float* ml = p.workspace + static_cast<int64_t>(p.batch) * p.num_q_heads * num_splits * D +
                     bh * num_splits * 2;
   float mx = kMaxSentinel;
-  for (int s = 0; s < active; ++s) mx = fmaxf(mx, ml[2 * s]);
+  for (int s = tid; s < active; s += kCombineThreads) mx = fmaxf(mx, ml[2 * s]);
+  mx = BlockReduce(mx, scratch, [](float a, float c) { return fmaxf(a, c); });
   float lsum = 0.0f;
-  for (int s = 0; s < active; ++s) lsum += ml[2 * s + 1] * exp2f(ml[2 * s] - mx);
+  for (int s = tid; s < active; s += kCombineThreads) {
+    const float w = exp2f(ml[2 * s] - mx);
+    weight[s] = w;
+    lsum += ml[2 * s + 1] * w;
+  }
+  lsum = BlockReduce(lsum, scratch, [](float a, float c) { return a + c; });  // syncs weight[]
   const float inv = 1.0f / lsum;
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+  for (int d = tid; d < D; d += kCombineThreads) {
     float a = 0.0f;
-    for (int s = 0; s < active; ++s) a += acc[s * D + d] * exp2f(ml[2 * s] - mx);
+#pragma unroll 8
+    for (int s = 0; s < active; ++s) a = fmaf(acc[static_cast<int64_t>(s) * D + d], weight[s], a);
     out[d] = from_f32<T>(a * inv);
   }
 }
@@ -354,7 +387,8 @@ cudaError_t LaunchForHeadDim(const GqaParams<T>& p, int splits, cudaStream_t str
       break;
   }
   if (splits > 1) {
-    GqaDecodeCombineKernel<T><<<dim3(p.num_q_heads, p.batch), 128, 0, stream>>>(p, splits);
+    GqaDecodeCombineKernel<T>
+        <<<dim3(p.num_q_heads, p.batch), kCombineThreads, 0, stream>>>(p, splits);
   }
   return cudaGetLastError();
 }

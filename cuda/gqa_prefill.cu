@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(kThreads) GqaPrefillMmaKernel(const GqaParams<
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float x = s[n][e] * qk_mul;
-        if (use_softcap) x = cap_log2 * tanhf(x);
+        if (use_softcap) x = cap_log2 * TanhBranchless(x);
         if (need_mask) {
           const int key = n0 + n * 8 + tig * 2 + (e & 1), rp = row_pos[e / 2];
           if (key > rp || (p.window > 0 && key <= rp - p.window)) x = -INFINITY;
@@ -345,7 +345,7 @@ __global__ void __launch_bounds__(32) GqaPrefillRowKernel(const GqaParams<T> p) 
     }
 #pragma unroll
     for (int off2 = 16; off2 >= 1; off2 >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off2);
-    if (use_softcap) dot = cap_log2 * tanhf(dot);
+    if (use_softcap) dot = cap_log2 * TanhBranchless(dot);
     const float mn = fmaxf(m, dot);
     const float corr = exp2f(m - mn), w = exp2f(dot - mn);
     l = l * corr + w;

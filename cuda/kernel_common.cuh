@@ -46,6 +46,14 @@ constexpr float kLog2e = 1.4426950408889634f;
 // a row that has seen no key yet needs no special case.
 constexpr float kMaxSentinel = -1e30f;
 
+// tanh without tanhf's divergent slow paths (they put branches and BRA.DIV around every
+// shuffle of the decode loop): 1 - 2 / (e^{2|x|} + 1) with MUFU.EX2 and an approximate
+// reciprocal. Its absolute error (~1e-7) is what softmax sees: softcap * tanh is a logit.
+__device__ __forceinline__ float TanhBranchless(float x) {
+  const float e = exp2f(2.0f * kLog2e * fabsf(x));
+  return copysignf(1.0f - __fdividef(2.0f, e + 1.0f), x);
+}
+
 template <typename T>
 struct VecOf {
   static constexpr int kElems = 16 / sizeof(T);  // elements per 16-byte vector
