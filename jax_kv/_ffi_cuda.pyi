@@ -1,0 +1,19 @@
+"""Stub of the nanobind module _ffi_cuda (ffi/module_cuda.cc): CUDA XLA FFI handlers."""
+
+from typing import Any
+
+def registrations() -> dict[str, Any]:
+    """Target name -> PyCapsule of the CUDA handler (jax_kv_gqa_decode, _prefill, _grow_cache)."""
+
+def workspace_floats(
+    op: str, batch: int, num_tokens: int, num_q_heads: int, head_dim: int, capacity: int
+) -> int:
+    """float32 workspace elements `op` ("decode" or "prefill") needs on the current device;
+    independent of `capacity` (the split count comes from the SM count)."""
+
+def host_calls() -> dict[str, int]:
+    """Host-code runs of each CUDA handler since import or the last reset_host_calls()."""
+
+def reset_host_calls() -> None: ...
+def num_splits(batch: int, num_q_heads: int, num_kv_heads: int) -> int:
+    """Split count the decode kernel uses on the current device."""
