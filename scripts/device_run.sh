@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One device call: build the CUDA module, run the GPU tests, run the benchmarks. Logs go to
+# $OUT (or ./device-out). Each stage has its own time limit so the whole fits one call.
+#   bash scripts/device_run.sh [stages...]   stages: build ops ops-off gen cache attn generate san
+set -uo pipefail
+OUT=${OUT:-device-out}
+mkdir -p "$OUT"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+STAGES=${*:-build ops gen cache attn generate}
+T0=$(date +%s)
+stage() { echo "=== $1 (t=$(( $(date +%s) - T0 ))s)"; }
+for s in $STAGES; do
+  case $s in
+    build)
+      stage build
+      (time JAX_KV_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps -e .) \
+        > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+      tail -3 "$OUT/build.log"
+      nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader ;;
+    ops)
+      stage "ops (command buffers forced on)"
+      XLA_FLAGS=--xla_gpu_graph_min_graph_size=1 timeout 150 python3 -m pytest -m gpu \
+        tests/ops -q -p no:cacheprovider -n 4 2>&1 | tee "$OUT/ops_graphs_on.log" | tail -4 ;;
+    ops-off)
+      stage "ops (command buffers off)"
+      XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 150 python3 -m pytest -m gpu \
+        tests/ops -q -p no:cacheprovider -n 4 2>&1 | tee "$OUT/ops_graphs_off.log" | tail -4 ;;
+    gen)
+      stage "generator"
+      timeout 200 python3 -m pytest -m gpu tests/decode -q -p no:cacheprovider 2>&1 \
+        | tee "$OUT/generator.log" | tail -15 ;;
+    cache)
+      stage "cache + memory"
+      timeout 60 python3 -m pytest -m gpu tests/cache tests/memory -q -p no:cacheprovider 2>&1 \
+        | tee "$OUT/cache.log" | tail -3 ;;
+    attn)
+      stage "bench/attention.py"
+      timeout 200 python3 bench/attention.py --out "$OUT" 2>&1 \
+        | grep -v -i -E "constant.fold|isn't necessarily|file a bug|^$|operation took" \
+        | tee "$OUT/attention.log" | tail -40 ;;
+    generate)
+      stage "bench/generate.py"
+      timeout ${GEN_TIMEOUT:-150} python3 bench/generate.py --out "$OUT" \
+        --models ${GEN_MODELS:-smollm2-135m,qwen2.5-0.5b} --batch ${GEN_BATCH:-1,32} \
+        --new-tokens ${GEN_TOKENS:-256} 2>&1 | grep -v -E "^\s*$|WARNING" \
+        | tee "$OUT/generate.log" | tail -30 ;;
+    san)
+      stage "compute-sanitizer memcheck"
+      timeout 120 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -m gpu \
+        tests/ops/test_gpu_ops.py -q -p no:cacheprovider -k "(decode_head_dims and bfloat16 and SEQ) or (prefill_head_dims and bfloat16 and HEAD) or status_out_of_range" \
+        2>&1 | tee "$OUT/sanitizer.log" | tail -8 ;;
+  esac
+done
+stage done
