@@ -6,6 +6,11 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+# Wheels the device image lacks (gguf, for the model tests' helpers), carried in .whl/.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
 STAGES=${*:-build ops gen cache attn generate}
 T0=$(date +%s)
 stage() { echo "=== $1 (t=$(( $(date +%s) - T0 ))s)"; }
@@ -20,18 +25,18 @@ for s in $STAGES; do
     ops)
       stage "ops (command buffers forced on)"
       XLA_FLAGS=--xla_gpu_graph_min_graph_size=1 timeout 150 python3 -m pytest -m gpu \
-        tests/ops -q -p no:cacheprovider -n 4 2>&1 | tee "$OUT/ops_graphs_on.log" | tail -4 ;;
+        tests/ops -q -p no:cacheprovider -p no:benchmark -n 4 2>&1 | tee "$OUT/ops_graphs_on.log" | tail -4 ;;
     ops-off)
       stage "ops (command buffers off)"
       XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 150 python3 -m pytest -m gpu \
-        tests/ops -q -p no:cacheprovider -n 4 2>&1 | tee "$OUT/ops_graphs_off.log" | tail -4 ;;
+        tests/ops -q -p no:cacheprovider -p no:benchmark -n 4 2>&1 | tee "$OUT/ops_graphs_off.log" | tail -4 ;;
     gen)
       stage "generator"
-      timeout 200 python3 -m pytest -m gpu tests/decode -q -p no:cacheprovider 2>&1 \
+      timeout 200 python3 -m pytest -m gpu tests/decode -q -p no:cacheprovider -p no:benchmark 2>&1 \
         | tee "$OUT/generator.log" | tail -15 ;;
     cache)
       stage "cache + memory"
-      timeout 60 python3 -m pytest -m gpu tests/cache tests/memory -q -p no:cacheprovider 2>&1 \
+      timeout 60 python3 -m pytest -m gpu tests/cache tests/memory -q -p no:cacheprovider -p no:benchmark 2>&1 \
         | tee "$OUT/cache.log" | tail -3 ;;
     attn)
       stage "bench/attention.py"
@@ -47,7 +52,7 @@ for s in $STAGES; do
     san)
       stage "compute-sanitizer memcheck"
       timeout 120 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -m gpu \
-        tests/ops/test_gpu_ops.py -q -p no:cacheprovider -k "(decode_head_dims and bfloat16 and SEQ) or (prefill_head_dims and bfloat16 and HEAD) or status_out_of_range" \
+        tests/ops/test_gpu_ops.py -q -p no:cacheprovider -p no:benchmark -k "(decode_head_dims and bfloat16 and SEQ) or (prefill_head_dims and bfloat16 and HEAD) or status_out_of_range" \
         2>&1 | tee "$OUT/sanitizer.log" | tail -8 ;;
   esac
 done

@@ -181,16 +181,16 @@ class Generator:
         def run(params, tokens, caches, lengths, rng):
             if key.num_tokens == 1:
                 tokens, caches, lengths, rng = one(params, tokens, caches, lengths, rng)
-                return tokens[None], caches, lengths, rng
+                return tokens[None], tokens, caches, lengths, rng
 
             def body(carry, _):
                 tokens, caches, lengths, rng = one(params, *carry)
                 return (tokens, caches, lengths, rng), tokens
 
-            (_, caches, lengths, rng), new = jax.lax.scan(
+            (tokens, caches, lengths, rng), new = jax.lax.scan(
                 body, (tokens, caches, lengths, rng), None, length=key.num_tokens
             )
-            return new, caches, lengths, rng
+            return new, tokens, caches, lengths, rng
 
         return run
 
@@ -210,7 +210,12 @@ class Generator:
                 self._traces += 1
                 return fn(*a)
 
-            step = jax.jit(counted, donate_argnums=(3 if key.kind == "prefill" else 2,))
+            # Everything but the params is donated, and every donated input comes back as an
+            # output of its shape: XLA reuses the buffers, so the addresses the recorded CUDA
+            # graph holds stay the same from call to call and it is replayed, not re-recorded
+            # (a fresh `lengths` buffer per step re-ran every attention handler's host code).
+            donate = (3, 4, 5) if key.kind == "prefill" else (1, 2, 3, 4)
+            step = jax.jit(counted, donate_argnums=donate)
             t0 = time.perf_counter()
             step.lower(*args).compile()
             stats.compile_seconds += time.perf_counter() - t0
@@ -324,7 +329,7 @@ class Generator:
         first = np.asarray(next_tok)
         stats.prefill_seconds = time.perf_counter() - t0 - (stats.compile_seconds - compile0)
         stats.prefill_tokens = int(lens.sum())
-        self._accept(cache, caches, lens)
+        self._accept(cache, caches, lens, verify=True)
 
         out: list[list[int]] = [[] for _ in range(B)]
         done = [False] * B
@@ -337,7 +342,8 @@ class Generator:
             n = self.tokens_per_call if max_new - generated >= self.tokens_per_call else 1
             t_iter = time.perf_counter()
             need = int(cache.lengths.max()) + n
-            if need > cache.capacity:
+            grew = need > cache.capacity
+            if grew:
                 before = (cache.array_capacity, cache.pointers())
                 event = cache.ensure_capacity(need)
                 self._decide(event, before, cache, generated, stats)
@@ -345,14 +351,13 @@ class Generator:
             args = (params, next_tok, caches, lengths, rng)
             key = StepKey("decode", self.layout, cache.array_capacity, B, dtype, n, sampling)
             calls0 = _host_calls()
-            (new, caches, lengths, rng), compiled = self._call(key, args, stats)
+            (new, next_tok, caches, lengths, rng), compiled = self._call(key, args, stats)
             t_dispatched = time.perf_counter()
             new_host = np.asarray(new)  # [n, B]; the one sync per call
             t_synced = time.perf_counter()
             if host_calls is not None:
                 host_calls.append(_host_calls() - calls0)
-            next_tok = new[-1]
-            self._accept(cache, caches, n)
+            self._accept(cache, caches, n, verify=compiled or grew)
             self._record(new_host, out, done, stop, on_tokens)
             generated += n
             stats.decode_calls += 1
@@ -370,8 +375,10 @@ class Generator:
         return GenerationResult(out, texts, stats)
 
     @staticmethod
-    def _accept(cache: KvCache, caches, n) -> None:
-        cache.accept([k for k, _ in caches], [v for _, v in caches])
+    def _accept(cache: KvCache, caches, n, verify: bool) -> None:
+        # Outputs are verified (shape, dtype, VMM aliasing) on a step's first call and after
+        # a growth; in between the compiled step cannot change them.
+        cache.accept([k for k, _ in caches], [v for _, v in caches], verify=verify)
         cache.advance(n)
 
     @staticmethod

@@ -15,7 +15,7 @@ NEW_TOKENS = 64
 @pytest.fixture(scope="module")
 def runs():
     return {
-        layout: run_child("smollm2", layout, 32, "bfloat16", device="cuda")
+        layout: run_child("llama-untied-llama3", layout, 16, "bfloat16", device="cuda")
         for layout in ("seq-major", "head-major")
     }
 
