@@ -124,7 +124,10 @@ def run_transformers(config, prompts: np.ndarray, new_tokens: int) -> dict:
     ids = torch.as_tensor(prompts, device="cuda")
 
     def gen(n: int, model=model) -> float:
+        # disable_compile: transformers 5 otherwise torch.compiles a static-cache decode inside
+        # the timed region (seen: 5 tok/s on SmolLM2 while inductor compiled).
         cfg = transformers.GenerationConfig(
+            disable_compile=True,
             max_new_tokens=n,
             min_new_tokens=n,
             do_sample=False,
