@@ -54,7 +54,13 @@ def main() -> None:
     )
     dtype = sys.argv[5] if len(sys.argv) > 5 else "float32"
     device = sys.argv[6] if len(sys.argv) > 6 else "cpu"
+    if dtype == "float32":
+        # f32 parity means f32 arithmetic: no TF32 matmuls on either side.
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", "highest")
     ref = import_reference()
+    ref.torch.backends.cuda.matmul.allow_tf32 = False
     if name == "smollm2":
         path = jm.default_gguf_path(install=True)
         model = jm.load(path, dtype=dtype, progress=False)
