@@ -31,12 +31,15 @@ from jax_kv.layout import Layout
 from jax_kv.models import llama
 from jax_kv.ops.xla_attention import xla_gqa_decode, xla_gqa_prefill
 
-IMPLS = ("jax_kv-seq", "jax_kv-head", "plain-jax", "transformers")
+# "@k": k decode steps per jitted call (Generator(tokens_per_call=k)).
+IMPLS = ("jax_kv-seq", "jax_kv-head", "jax_kv-seq@8", "plain-jax", "transformers")
 MODELS = ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3-8b")
 
 
-def run_generator(model, prompts: np.ndarray, new_tokens: int, layout: Layout) -> dict:
-    gen = Generator(model, layout=layout)
+def run_generator(
+    model, prompts: np.ndarray, new_tokens: int, layout: Layout, tokens_per_call: int = 1
+) -> dict:
+    gen = Generator(model, layout=layout, tokens_per_call=tokens_per_call)
     r = gen.generate(prompts.tolist(), new_tokens, stop_tokens=())
     s = r.stats
     calls = s.host_calls_per_step
@@ -209,11 +212,11 @@ def main() -> None:
             for impl in impls:
                 t0 = time.perf_counter()
                 try:
-                    if impl == "jax_kv-seq":
-                        row[impl] = run_generator(model, prompts, args.new_tokens, Layout.SEQ_MAJOR)
-                    elif impl == "jax_kv-head":
+                    if impl.startswith("jax_kv-"):  # jax_kv-seq, jax_kv-head, jax_kv-seq@8
+                        kind, _, k = impl.removeprefix("jax_kv-").partition("@")
+                        layout = Layout.SEQ_MAJOR if kind == "seq" else Layout.HEAD_MAJOR
                         row[impl] = run_generator(
-                            model, prompts, args.new_tokens, Layout.HEAD_MAJOR
+                            model, prompts, args.new_tokens, layout, int(k or 1)
                         )
                     elif impl == "plain-jax":
                         row[impl] = run_plain_jax(model, prompts, args.new_tokens, args.static_len)

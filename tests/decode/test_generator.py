@@ -1,0 +1,90 @@
+"""Generator on CPU, in process: several tokens per call equal one token per call, stop
+tokens end a row, sampling is reproducible, counters add up, bad arguments are refused."""
+
+import pytest
+
+import jax_kv.models as jm
+from jax_kv.decode import Generator, Sampling
+from jax_kv.models import llama
+
+
+@pytest.fixture(scope="module")
+def model():
+    return jm.random_model("tiny-llama", seed=1)
+
+
+PROMPTS = [[5, 9, 13, 2, 7], [11, 3], [8, 8, 8, 1, 4, 6, 20]]
+
+
+def test_matches_the_reference_loop(model):
+    want = llama.generate_greedy(model.params, model.config, PROMPTS, 24)
+    got = Generator(model, min_bucket=8).generate(PROMPTS, 24, stop_tokens=())
+    assert got.tokens == want
+    s = got.stats
+    assert s.growth_events >= 2 and s.captures == 1 + s.invalidations
+    assert s.replays + s.captures == s.decode_calls == 23
+    assert s.decode_tokens == 23 * len(PROMPTS)
+
+
+@pytest.mark.parametrize("k", [3, 4])
+def test_tokens_per_call(model, k):
+    """k decode steps inside one jitted call (lax.scan), growth only between calls."""
+    one = Generator(model, min_bucket=8).generate(PROMPTS, 21, stop_tokens=())
+    many = Generator(model, min_bucket=8, tokens_per_call=k).generate(PROMPTS, 21, stop_tokens=())
+    assert many.tokens == one.tokens
+    assert many.stats.decode_calls < one.stats.decode_calls
+
+
+def test_stop_tokens_end_rows(model):
+    free = Generator(model).generate(PROMPTS, 16, stop_tokens=())
+    stop = free.tokens[1][5]  # row 1 stops on its 6th token (and keeps it)
+    r = Generator(model).generate(PROMPTS, 16, stop_tokens=[stop])
+    for row, full in zip(r.tokens, free.tokens, strict=True):
+        cut = full.index(stop) + 1 if stop in full else len(full)
+        assert row == full[:cut]
+
+
+def test_streaming_callback(model):
+    seen = []
+    r = Generator(model).generate(PROMPTS, 6, stop_tokens=(), on_tokens=seen.append)
+    assert [[s[b] for s in seen] for b in range(3)] == r.tokens
+
+
+def test_sampling_is_seeded(model):
+    s = Sampling(temperature=1.0, top_k=50, seed=3)
+    a = Generator(model).generate(PROMPTS, 12, s, stop_tokens=()).tokens
+    b = Generator(model).generate(PROMPTS, 12, s, stop_tokens=()).tokens
+    c = (
+        Generator(model)
+        .generate(PROMPTS, 12, Sampling(temperature=1.0, top_k=50, seed=4), stop_tokens=())
+        .tokens
+    )
+    assert a == b and a != c
+
+
+def test_compiled_steps_are_reused_across_calls(model):
+    gen = Generator(model, min_bucket=64)
+    gen.generate(PROMPTS, 4, stop_tokens=())
+    again = gen.generate(PROMPTS, 4, stop_tokens=()).stats
+    assert again.captures == 0 and again.prefill_captures == 0 and again.replays == 3
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (dict(prompts=[[]], max_new_tokens=4), "prompts: expected one or more non-empty"),
+        (dict(prompts=[[1, 10**6]], max_new_tokens=4), r"prompts\[0\]: token id 1000000 outside"),
+        (dict(prompts=[[1]], max_new_tokens=0), "max_new_tokens: expected >= 1"),
+        (dict(prompts=["text"], max_new_tokens=2), "no tokenizer"),
+    ],
+)
+def test_bad_arguments(model, args, match):
+    with pytest.raises(ValueError, match=match):
+        Generator(model).generate(**args)
+
+
+def test_bad_generator_arguments(model):
+    with pytest.raises(ValueError, match="tokens_per_call: expected >= 1"):
+        Generator(model, tokens_per_call=0)
+    with pytest.raises(ValueError, match="layout: expected a jax_kv.Layout"):
+        Generator(model, layout="diagonal")
