@@ -123,3 +123,31 @@ def workspace_shape(
     if cuda is None or jax.default_backend() != "gpu" or not hasattr(cuda, "workspace_floats"):
         return (0,)
     return (int(cuda.workspace_floats(op, batch, num_tokens, num_q_heads, head_dim, capacity)),)
+
+
+def call_attention(
+    op: str, args: tuple, attrs: dict[str, np.generic], capacity: int, return_status: bool
+) -> tuple[jax.Array, ...]:
+    """The FFI call of gqa_decode / gqa_prefill (op "decode" / "prefill").
+
+    args: (q, k, v, k_cache, v_cache, lengths[, new_lengths]). The caches come back aliased
+    to the inputs (updated in place when donated); the status [B] is returned on request and
+    the handler's workspace is dropped.
+    """
+    q, k_cache, v_cache = args[0], args[3], args[4]
+    B, Hq, D = q.shape[0], q.shape[-2], q.shape[-1]
+    T = q.shape[1] if op == "prefill" else 1
+    call = jax.ffi.ffi_call(
+        f"jax_kv_gqa_{op}",
+        (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+            jax.ShapeDtypeStruct((B,), jnp.int32),
+            jax.ShapeDtypeStruct(workspace_shape(op, B, T, Hq, D, capacity), jnp.float32),
+        ),
+        input_output_aliases={3: 1, 4: 2},
+        vmap_method="sequential",
+    )
+    out, k_cache, v_cache, status, _ = call(*args, **attrs)
+    return (out, k_cache, v_cache, status) if return_status else (out, k_cache, v_cache)

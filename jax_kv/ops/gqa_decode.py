@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from jax_kv import _ffi
 from jax_kv.layout import Layout
@@ -59,18 +58,5 @@ def gqa_decode(
             raise ValueError(
                 f"lengths: expected 0 <= lengths[b] < capacity S={S}, got lengths[{b}]={x}"
             )
-    ws = _common.workspace_shape("decode", B, 1, Hq, D, S)
-    call = jax.ffi.ffi_call(
-        "jax_kv_gqa_decode",
-        (
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
-            jax.ShapeDtypeStruct((B,), jnp.int32),
-            jax.ShapeDtypeStruct(ws, jnp.float32),
-        ),
-        input_output_aliases={3: 1, 4: 2},
-        vmap_method="sequential",
-    )
-    out, k_cache, v_cache, status, _ = call(q, k, v, k_cache, v_cache, lengths, **attrs)
-    return (out, k_cache, v_cache, status) if return_status else (out, k_cache, v_cache)
+    args = (q, k, v, k_cache, v_cache, lengths)
+    return _common.call_attention("decode", args, attrs, S, return_status)

@@ -73,20 +73,5 @@ def gqa_prefill(
                     f"<= capacity S={S}, got lengths[{b}]={int(x)} with {n} new "
                     f"tokens (prefill would overflow the cache)"
                 )
-    ws = _common.workspace_shape("prefill", B, T, Hq, D, S)
-    call = jax.ffi.ffi_call(
-        "jax_kv_gqa_prefill",
-        (
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
-            jax.ShapeDtypeStruct((B,), jnp.int32),
-            jax.ShapeDtypeStruct(ws, jnp.float32),
-        ),
-        input_output_aliases={3: 1, 4: 2},
-        vmap_method="sequential",
-    )
-    out, k_cache, v_cache, status, _ = call(
-        q, k, v, k_cache, v_cache, lengths, new_lengths, **attrs
-    )
-    return (out, k_cache, v_cache, status) if return_status else (out, k_cache, v_cache)
+    args = (q, k, v, k_cache, v_cache, lengths, new_lengths)
+    return _common.call_attention("prefill", args, attrs, S, return_status)
