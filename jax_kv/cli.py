@@ -183,4 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--steps", type=int, default=8)
     d.set_defaults(run=demo)
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError) as e:
+        # Bad input is the user's to fix: say what and where, without a traceback.
+        print(f"python -m jax_kv {args.command}: error: {e}", file=sys.stderr)
+        return 2
