@@ -254,9 +254,12 @@ def _materialize(
 
 
 class _Progress:
-    """A plain stderr progress line, shown only once the work has taken more than 1 s."""
+    """A plain stderr progress line, shown only once the work has taken more than 1 s, and by
+    default only on a terminal (a log file would collect every redrawn line)."""
 
     def __init__(self, label: str, total: int, enabled: bool | None) -> None:
+        if enabled is None and not sys.stderr.isatty():
+            enabled = False
         self.label, self.total, self.enabled = label, max(total, 1), enabled
         self.done, self.start, self.last, self.shown = 0, time.monotonic(), 0.0, False
 
