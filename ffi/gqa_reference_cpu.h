@@ -55,7 +55,9 @@ void RunGqaReferenceCpu(const GqaParams<T>& p) {
     }
   }
   // 2. Attend: one work item per (b, kv head); its `group` query heads read the stripe.
-  ParallelFor(p.batch * Hkv, 1, [&](int64_t item) {
+  int64_t work = 0;  // multiply-adds: 2 per (query row, position, dim)
+  for (int64_t b = 0; b < p.batch; ++b) work += 2 * T_ * (p.lengths[b] + T_) * Hq * D;
+  ParallelFor(p.batch * Hkv, work, [&](int64_t item) {
     const int64_t b = item / Hkv, h = item % Hkv;
     const int64_t L = p.lengths[b], n = new_tokens(b);
     std::vector<float> qf(D), acc(D), scores(static_cast<size_t>(L + T_));

@@ -21,7 +21,10 @@ static ffi::Error GrowCacheCpuDispatch(ffi::AnyBuffer cache, ffi::Buffer<ffi::S3
   }
   const int64_t row_bytes = static_cast<int64_t>(p.head_dim) * p.elem_bytes;
   std::memset(p.dst, 0, new_cache->size_bytes());
-  ParallelFor(int64_t{p.batch} * p.num_kv_heads, 1, [&](int64_t item) {
+  int64_t live_bytes = 0;
+  for (int b = 0; b < p.batch; ++b)
+    live_bytes += int64_t{p.lengths[b]} * p.num_kv_heads * row_bytes;
+  ParallelFor(int64_t{p.batch} * p.num_kv_heads, live_bytes, [&](int64_t item) {
     const int64_t b = item / p.num_kv_heads, h = item % p.num_kv_heads;
     for (int64_t s = 0; s < p.lengths[b]; ++s) {
       std::memcpy(p.dst + kv_offset(p.dst_strides, b, s, h) * p.elem_bytes,
