@@ -46,6 +46,7 @@ def run_generator(
     return dict(
         tok_s=s.decode_tokens_per_s,
         host_overhead_us=s.host_overhead_us,
+        dispatch_us=s.dispatch_us,
         captures=s.captures,
         replays=s.replays,
         invalidations=s.invalidations,

@@ -20,7 +20,11 @@ def _stats_table(stats: Any) -> str:
             f"{s.decode_tokens} tokens in {s.decode_calls} calls, "
             f"{s.decode_tokens_per_s:,.1f} tok/s",
         ),
-        ("host overhead / call", f"{s.host_overhead_us:,.0f} us (median)"),
+        (
+            "host overhead / call",
+            f"{s.host_overhead_us:,.0f} us (median), of which "
+            f"{s.dispatch_us:,.0f} us in the jitted call's dispatch",
+        ),
         (
             "compiled steps",
             f"captures {s.captures} (+{s.prefill_captures} prefill), replays "

@@ -78,6 +78,7 @@ class GenerationStats:
     decode_seconds: float = 0.0
     decode_calls: int = 0
     host_overhead_us: float = 0.0  # median per decode call: host time, waits on the device excluded
+    dispatch_us: float = 0.0  # median per decode call: the jitted call alone (JAX + XLA launch)
     compile_seconds: float = 0.0
 
     @property
@@ -369,7 +370,9 @@ class Generator:
             args = (params, next_tok, caches, lengths, rng)
             key = StepKey("decode", self.layout, cache.array_capacity, B, dtype, n, sampling)
             calls0 = _host_calls()
+            t_call = time.perf_counter()
             (new, next_tok, caches, lengths, rng), compiled = self._call(key, args, stats)
+            t_called = time.perf_counter()
             if host_calls is not None:
                 host_calls.append(_host_calls() - calls0)
             self._accept(cache, caches, n, verify=compiled or grew)
@@ -382,10 +385,13 @@ class Generator:
                 self._record(np.asarray(previous), out, done, stop, on_tokens)
                 waited += time.perf_counter() - t0
             if not compiled:
-                overheads.append(time.perf_counter() - t_iter - waited)
+                total = time.perf_counter() - t_iter - waited
+                overheads.append((total, t_called - t_call))
         drain()
         stats.decode_seconds = time.perf_counter() - t_decode - (stats.compile_seconds - compile0)
-        stats.host_overhead_us = float(np.median(overheads) * 1e6) if overheads else 0.0
+        if overheads:
+            total, dispatch = np.median(np.asarray(overheads), axis=0) * 1e6
+            stats.host_overhead_us, stats.dispatch_us = float(total), float(dispatch)
         stats.host_calls_per_step = host_calls
         for b in range(B):
             del out[b][max_new:]
