@@ -31,10 +31,6 @@ def _append(
     return cache.at[b, :, pos].set(new, mode="drop")  # [B, T] x Hkv x D rows
 
 
-def _scores_layout(layout: Layout) -> tuple[str, str]:
-    return ("bshd", "bhsd") if layout == Layout.SEQ_MAJOR else ("bhsd", "bhsd")
-
-
 def xla_gqa_prefill(
     q,
     k,
