@@ -15,6 +15,7 @@ nanobind_add_module(_ffi_cuda NB_STATIC
   ffi/grow_cache.cc
   cuda/device_info.cu
   cuda/gqa_decode.cu
+  cuda/gqa_decode_v2.cu
   cuda/gqa_prefill.cu
   cuda/grow_cache.cu)
 target_include_directories(_ffi_cuda PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}")

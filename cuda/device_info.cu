@@ -28,6 +28,7 @@ int CachedAttribute(std::atomic<int> (&cache)[kMaxDevices], cudaDeviceAttr attr,
 
 std::atomic<int> g_sm_count[kMaxDevices];
 std::atomic<int> g_smem_optin[kMaxDevices];
+std::atomic<int> g_smem_per_sm[kMaxDevices];
 
 }  // namespace
 
@@ -37,6 +38,10 @@ int CurrentDeviceSmCount() {
 
 int CurrentDeviceMaxSmemOptin() {
   return CachedAttribute(g_smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 48 * 1024);
+}
+
+int CurrentDeviceSmemPerSm() {
+  return CachedAttribute(g_smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 228 * 1024);
 }
 
 }  // namespace jax_kv

@@ -12,4 +12,7 @@ int CurrentDeviceSmCount();
 // Opt-in limit of dynamic shared memory per block on the current device.
 int CurrentDeviceMaxSmemOptin();
 
+// Shared memory per multiprocessor on the current device (all resident CTAs together).
+int CurrentDeviceSmemPerSm();
+
 }  // namespace jax_kv

@@ -23,4 +23,22 @@ int64_t GqaDecodeWorkspaceFloats(int batch, int num_q_heads, int head_dim);
 template <typename T>
 cudaError_t LaunchGqaDecode(const GqaParams<T>& p, cudaStream_t stream);
 
+// How a decode kernel cuts the attended positions: num_splits splits (before any workspace
+// clamp) of a chunk that is a multiple of chunk_multiple and at least min_chunk tokens.
+struct GqaDecodePlan {
+  int num_splits, chunk_multiple, min_chunk;
+};
+
+// Kernel 2 (cuda/gqa_decode_v2.cu): same contract as LaunchGqaDecode, one launch (cp.async
+// pipelines, last-CTA split combine) plus a memset of its split counters in the workspace.
+template <typename T>
+cudaError_t LaunchGqaDecodeV2(const GqaParams<T>& p, cudaStream_t stream);
+
+// Kernel 2's workspace: kernel 1's partials plus B * Hq counter words (an upper bound).
+int64_t GqaDecodeV2WorkspaceFloats(int batch, int num_q_heads, int head_dim);
+
+// Kernel 2's split plan on the current device; itemsize 2 (bf16, f16) or 4 (f32).
+GqaDecodePlan GqaDecodeV2Plan(int batch, int num_q_heads, int num_kv_heads, int head_dim,
+                              int itemsize);
+
 }  // namespace jax_kv

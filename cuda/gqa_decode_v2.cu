@@ -1,0 +1,724 @@
+// GQA decode, kernel 2: split-K flash decoding fed by per-warp cp.async pipelines, with the
+// split combine done by the last CTA of each (b, KV head) instead of a second kernel.
+//
+// Same contract as kernel 1 (cuda/gqa_decode.cu): GqaParams, status and NaN rows for bad
+// lengths, the cache touched only inside [0, S), the new K/V appended at lengths[b] (the CTA
+// that owns position L reads it from k/v, never from the cache, so the store races with
+// nothing), split count from the SM count, chunk from lengths on the device, a grid that never
+// depends on S, all query heads of one KV head (up to 8, more through head chunks) in one CTA,
+// f32 scores and accumulators. Selected at run time (set_decode_kernel(2), JAX_KV_DECODE_KERNEL).
+//
+// What changes, and what each change is expected to move (bench/NOTES.md, "v2 (unmeasured)"),
+// bf16, Hq=32, Hkv=8, D=128, H200; kernel 1 measured 183.6 us at (1, 131072) (2.9 TB/s),
+// 346 us at (32, 8192), 16.3 us at (1, 4096); cuDNN 132.5 / 251 / 11.9 us:
+// 1. Bytes in flight. Each warp streams its own 8-row K+V tiles (4 KB) through a 3-stage
+//    cp.async ring in shared memory (LDGSTS.E.BYPASS.128): two tiles (8 KB) are in flight per
+//    warp while it computes the third, 4 CTAs x 4 warps per SM -> ~128 KB in flight per SM
+//    (kernel 1: ~32 KB, with nothing issued ahead of the math). Little's law wants ~26 KB at
+//    4.3 TB/s and ~0.8 us: this is the change meant to move the large rows from 2.9 toward
+//    ~4 TB/s: (1, 131072) 183.6 -> ~140 us, (32, 8192) 346 -> ~270 us.
+// 2. Fewer shuffles per score. 4 lanes per K row (4 x 16-byte vectors each for D=128 bf16):
+//    2 shuffle+add rounds per score instead of 4. q lives in shared memory as pre-scaled f32
+//    (a broadcast LDS.128 per 4 FMAs) so 4 lanes per row costs no q registers. P.V reads V
+//    with 16 lanes per row (8 columns each): no shuffles at all in P.V, acc is 8 floats per
+//    query head per lane. The running max is reduced over the warp's 8 rows once per tile and
+//    acc is rescaled only when it grew (a warp-uniform branch). Estimated ~55 issued
+//    instructions per K/V row at group 4 against kernel 1's ~80: the loop stops competing
+//    with the loads for issue slots.
+// 3. One launch. The last CTA of each (b, KV head, head chunk) to finish (an atomic counter in
+//    the workspace) merges the splits; the combine kernel and its grid-wide drain go away.
+//    The counters need zeroing before the kernel: a cudaMemsetAsync of B*Hkv*chunks words (a
+//    memset node, no allocation, capture-safe). A "last CTA resets it for the next call" scheme
+//    cannot be trusted here: the workspace is an XLA result buffer whose contents do not
+//    survive between calls (buffer assignment reuses that memory for other ops). Expected at
+//    (1, 4096): 16.3 -> ~12 us (one kernel node + one memset node instead of two kernels, and
+//    the pipelined loop); the small rows stay latency-bound.
+// Registers: capped at 128 per thread (__launch_bounds__(128, 4)); shared memory ~53 KB per
+// CTA at bf16 D=128 group 8, so 4 CTAs fit an SM's 228 KB.
+#include <algorithm>
+#include <atomic>
+#include <type_traits>
+
+#include "cuda/device_info.h"
+#include "cuda/gqa_decode.cuh"
+#include "cuda/kernel_common.cuh"
+
+namespace jax_kv {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kMaxGroup = 8;      // query heads per CTA
+constexpr int kMaxSplits = 256;   // as kernel 1: beyond it partials traffic outgrows the gain
+constexpr int kMaxCtasPerSm = 4;  // 128-register cap x 128 threads: 4 CTAs fill the file
+
+// Resident CTAs per SM the register cap is set for: 8 query heads need ~150 registers
+// (acc alone is 32), so their cap is 168 (3 CTAs) rather than 128 with spills.
+template <int GROUP>
+constexpr int MinBlocks() {
+  return GROUP >= 8 ? 3 : kMaxCtasPerSm;
+}
+constexpr int kStageBytes = 4096;          // K+V bytes of one warp's pipeline stage (target)
+constexpr int kSmemPerCtaReserved = 1024;  // the runtime's per-CTA shared-memory reservation
+
+constexpr int Pow2Ceil(int x) {
+  int p = 1;
+  while (p < x) p <<= 1;
+  return p;
+}
+
+// Lanes that share one K row in q.k: enough rows per warp tile that a stage holds ~kStageBytes,
+// and a divisor of the row's 16-byte units so every lane holds whole vectors.
+constexpr int RowLanes(int units, int row_bytes) {
+  int r = Pow2Ceil((32 * 2 * row_bytes + kStageBytes - 1) / kStageBytes);
+  if (r > 32) r = 32;
+  while (r > 1 && units % r != 0) r /= 2;
+  return r;
+}
+
+// How a warp covers its tiles. q.k: kR lanes per K row (kUnitsPerLane 16-byte vectors each),
+// kRows rows per tile. P.V: kVLanes lanes per V row, each reading kVpt pieces of kVBytes (a
+// whole warp per row where the row splits into 4/8/16-byte pieces: acc stays small).
+// Shared-memory rows are kStride 16-byte units; when a row is a multiple of 8 units, unit u of
+// row r sits at u ^ ((r * kR) & 7) (XOR swizzle) so the kR-lane groups of one q.k load hit 8
+// distinct 16-byte bank groups; otherwise the stride is padded to make units/kR odd.
+template <typename T, int HEAD_DIM>
+struct ShapeV2 {
+  static constexpr int kVec = VecOf<T>::kElems;
+  static constexpr int kUnits = HEAD_DIM / kVec;
+  static constexpr int kR = RowLanes(kUnits, HEAD_DIM* static_cast<int>(sizeof(T)));
+  static constexpr int kRows = 32 / kR;
+  static constexpr int kUnitsPerLane = kUnits / kR;
+  static constexpr bool kSwizzle = kUnits % 8 == 0;
+  static constexpr int kStride =
+      kSwizzle || kR >= 8 || (kUnits / kR) % 2 == 1 ? kUnits : kUnits + kR;
+  static constexpr int kTensorUnits = kRows * kStride;  // K (or V) of one stage
+  static constexpr int kStageUnits = 2 * kTensorUnits;
+  static constexpr int kStages = kStageUnits * 16 <= kStageBytes ? 3 : 2;
+  static constexpr int kRowBytes = HEAD_DIM * static_cast<int>(sizeof(T));
+  static constexpr bool kWarpPerVRow =
+      kRowBytes == 128 || kRowBytes == 256 || kRowBytes == 512 || kRowBytes == 1024;
+  static constexpr int kVBytes = kWarpPerVRow ? (kRowBytes >= 512 ? 16 : kRowBytes / 32) : 16;
+  static constexpr int kVLanes = kWarpPerVRow ? 32 : Pow2Ceil(kUnits);
+  static constexpr int kVRows = 32 / kVLanes;
+  static constexpr int kVpt = kWarpPerVRow ? kRowBytes / (32 * kVBytes) : 1;
+  static constexpr int kVElems = kVBytes / static_cast<int>(sizeof(T));  // per piece
+  static constexpr int kAcc = kVpt * kVElems;
+  static constexpr int kCtaRows = kRows * kWarps;
+  // cp.async: kLdLanes lanes per row (lanes past kUnits idle), kLdRows rows per pass, kLdCols
+  // vectors per lane and row; the lane's (row, unit) pattern is fixed, only the tile moves.
+  static constexpr int kLdLanes = Pow2Ceil(kUnits) > 32 ? 32 : Pow2Ceil(kUnits);
+  static constexpr int kLdRows = 32 / kLdLanes;
+  static constexpr int kLdPasses = kRows / kLdRows;
+  static constexpr int kLdCols = (kUnits + kLdLanes - 1) / kLdLanes;
+  static constexpr int kStageAreaBytes = kWarps * kStages * kStageUnits * 16;
+  static_assert(HEAD_DIM % kVec == 0, "a row must be whole 16-byte vectors");
+  static_assert(kUnits % kR == 0, "every q.k lane holds whole vectors");
+  static_assert(kVLanes >= kR && kRows % kVRows == 0, "P.V covers the tile's rows evenly");
+  static_assert(kVLanes <= 32 && kVElems >= 1, "P.V pieces");
+  static_assert(kLdPasses >= 1 && kRows % kLdRows == 0, "cp.async passes cover the tile");
+  static_assert(!kSwizzle || kR >= 8 || (kLdRows * kR) % 8 == 0,
+                "a lane's cp.async targets differ from its first one by constants");
+
+  __device__ static __forceinline__ int Unit(int row, int u) {
+    if constexpr (kSwizzle) {
+      return row * kStride + (u ^ ((row * kR) & 7));
+    } else {
+      return row * kStride + u;
+    }
+  }
+};
+
+template <typename T, int HEAD_DIM, int GROUP>
+constexpr int SmemBytes() {
+  using Sh = ShapeV2<T, HEAD_DIM>;
+  // stages | q [GROUP][HEAD_DIM] f32 | p [kWarps][kRows][GROUP] f32
+  return Sh::kStageAreaBytes + GROUP * HEAD_DIM * 4 + kWarps * Sh::kRows * GROUP * 4;
+}
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// 16-byte global -> shared copy that bypasses L1 (shared address as a 32-bit window offset);
+// pred false zero-fills and reads nothing.
+__device__ __forceinline__ void CpAsync16(uint32_t smem, const void* gmem, bool pred) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem),
+               "r"(pred ? 16 : 0));
+}
+// 2^x on the MUFU alone (exp2f adds a range fix-up for results below 2^-126, which softmax
+// weights can flush to zero).
+__device__ __forceinline__ float Exp2Fast(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// One P.V piece (4, 8 or 16 bytes of shared memory) -> floats.
+template <typename T, int BYTES>
+__device__ __forceinline__ void LoadPiece(const void* smem, float (&f)[BYTES / sizeof(T)]) {
+  constexpr int W = BYTES / 4;  // 32-bit words
+  uint32_t w[W];
+  if constexpr (W == 4) {
+    const uint4 r = *reinterpret_cast<const uint4*>(smem);
+    w[0] = r.x, w[1] = r.y, w[2] = r.z, w[3] = r.w;
+  } else if constexpr (W == 2) {
+    const uint2 r = *reinterpret_cast<const uint2*>(smem);
+    w[0] = r.x, w[1] = r.y;
+  } else {
+    w[0] = *reinterpret_cast<const uint32_t*>(smem);
+  }
+#pragma unroll
+  for (int i = 0; i < W; ++i) {
+    if constexpr (std::is_same_v<T, float>) {
+      f[i] = __uint_as_float(w[i]);
+    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    } else {
+      const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      f[2 * i] = v.x;
+      f[2 * i + 1] = v.y;
+    }
+  }
+}
+
+template <typename Op>
+__device__ __forceinline__ float WarpReduce(float v, Op op) {
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+
+struct SplitPlan {
+  int lo, n, chunk, active;
+};
+
+// Chunks are whole CTA tiles (kCtaRows rows), at least one; the combine recomputes nothing
+// else, so the splits and the last CTA always agree.
+__device__ __forceinline__ SplitPlan PlanSplits(int L, int window, int num_splits, int cta_rows) {
+  SplitPlan s;
+  s.lo = window > 0 ? max(0, L + 1 - window) : 0;
+  s.n = L + 1 - s.lo;
+  const int chunk = (s.n + num_splits - 1) / num_splits;
+  s.chunk = max(cta_rows, (chunk + cta_rows - 1) / cta_rows * cta_rows);
+  s.active = (s.n + s.chunk - 1) / s.chunk;
+  return s;
+}
+
+template <typename T, int HEAD_DIM, int GROUP>
+__global__ void __launch_bounds__(kThreads, MinBlocks<GROUP>())
+    GqaDecodeV2Kernel(const GqaParams<T> p, int num_splits, int head_chunks) {
+  using Sh = ShapeV2<T, HEAD_DIM>;
+  constexpr int V = Sh::kVec;
+  constexpr int R = Sh::kR;
+  static_assert(kWarps * GROUP * HEAD_DIM * 4 <= Sh::kStageAreaBytes, "merge fits the stages");
+  static_assert(GROUP * kMaxSplits * 4 <= Sh::kStageAreaBytes, "combine weights fit the stages");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  uint4* stages = reinterpret_cast<uint4*>(smem_raw);
+  float* q_s = reinterpret_cast<float*>(smem_raw + Sh::kStageAreaBytes);  // [GROUP][HEAD_DIM]
+  float* p_s = q_s + GROUP * HEAD_DIM;                                    // [kWarps][kRows][G]
+  __shared__ float sm_m[kWarps][GROUP], sm_l[kWarps][GROUP], inv_s[GROUP];
+  __shared__ int s_last;
+
+  const int split = blockIdx.x;
+  const int hkv = blockIdx.y / head_chunks;
+  const int head_chunk = blockIdx.y % head_chunks;
+  const int b = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int g0 = head_chunk * GROUP;
+  const int ng = min(GROUP, group - g0);
+  const int qh0 = hkv * group + g0;
+  const int L = p.lengths[b];
+  const bool bad = L < 0 || L >= p.capacity;
+  if (split == 0 && blockIdx.y == 0 && tid == 0) {
+    // Every b has exactly one such CTA, so status needs no memset.
+    p.status[b] = bad ? JKV_STATUS_LENGTH_OUT_OF_RANGE : JKV_STATUS_OK;
+  }
+  T* out_rows = p.out + (static_cast<int64_t>(b) * p.num_q_heads + qh0) * HEAD_DIM;
+  if (bad) {  // cache untouched, no counter touched; split 0 writes the NaN rows
+    if (split == 0) {
+      for (int i = tid; i < ng * HEAD_DIM; i += kThreads)
+        out_rows[i] = from_f32<T>(__int_as_float(0x7fc00000));
+    }
+    return;
+  }
+  const SplitPlan plan = PlanSplits(L, p.window, num_splits, Sh::kCtaRows);
+  if (split >= plan.active) return;
+  const int c0 = plan.lo + split * plan.chunk;
+  const int c1 = min(plan.lo + plan.n, c0 + plan.chunk);  // exclusive
+
+  const int64_t new_off = (static_cast<int64_t>(b) * p.num_kv_heads + hkv) * HEAD_DIM;
+  const T* k_new = p.k_new + new_off;
+  const T* v_new = p.v_new + new_off;
+  // Fused append: no CTA of this launch reads cache slot L (the owner reads k/v instead).
+  if (split == 0 && head_chunk == 0 && tid < Sh::kUnits) {
+    const int64_t dst = kv_offset(p.cache, b, L, hkv) + tid * V;
+    stg16(p.k_cache + dst, ldg16(k_new + tid * V));
+    stg16(p.v_cache + dst, ldg16(v_new + tid * V));
+  }
+
+  // Scores in log2 units, as kernel 1: scale (and log2 e) folded into q, or with softcap q
+  // carries scale / softcap and the score is softcap * log2(e) * tanh(q.k).
+  const bool use_softcap = p.softcap > 0.0f;
+  const float q_mul = use_softcap ? p.scale / p.softcap : p.scale * kLog2e;
+  const float cap_log2 = p.softcap * kLog2e;
+  {
+    const T* qg = p.q + (static_cast<int64_t>(b) * p.num_q_heads + qh0) * HEAD_DIM;
+    for (int i = tid; i < GROUP * HEAD_DIM; i += kThreads) {
+      q_s[i] = i < ng * HEAD_DIM ? to_f32(qg[i]) * q_mul : 0.0f;
+    }
+  }
+
+  const int warp = tid / 32, lane = tid % 32;
+  const int r = lane / R, c = lane % R;                        // q.k: row, lane in row
+  const int vr = lane / Sh::kVLanes, vc = lane % Sh::kVLanes;  // P.V: row, lane in row
+  uint4* my_stages = stages + warp * Sh::kStages * Sh::kStageUnits;
+  float* my_p = p_s + warp * Sh::kRows * GROUP;
+  const float4* q4 = reinterpret_cast<const float4*>(q_s);
+  // Warp w takes tiles c0 + (w + kWarps t) * kRows: the warps interleave, so a short chunk
+  // still spreads over all four.
+  const int first = c0 + warp * Sh::kRows;
+  const int num_tiles = first < c1 ? (c1 - first + Sh::kCtaRows - 1) / Sh::kCtaRows : 0;
+  const int64_t head_off = kv_offset(p.cache, b, 0, hkv);
+  const T* k_head = p.k_cache + head_off;
+  const T* v_head = p.v_cache + head_off;
+
+  // Issues the next tile's K and V rows into its ring slot; always commits a group (possibly
+  // empty) so wait_group counts stay aligned with tiles. Rows from min(c1, L) on are
+  // zero-filled: past the chunk they are masked, and row L (the new token: this launch appends
+  // it to slot L) is patched from k/v once the copies land. Addresses move by one tile stride
+  // per call; nothing 64-bit is recomputed per vector.
+  const int lim = min(c1, L);
+  const int ld_row = lane / Sh::kLdLanes, ld_u = lane % Sh::kLdLanes;
+  const int64_t pass_step = static_cast<int64_t>(Sh::kLdRows) * p.cache.s;
+  // Shared addresses: the lane's first K target; every other target is a constant away.
+  const uint32_t smem_lane = SmemAddr(my_stages + Sh::Unit(ld_row, ld_u));
+  int issue_left = num_tiles, issue_row = first + ld_row;
+  uint32_t issue_slot = 0;  // byte offset of the slot the next tile goes to
+  auto issue = [&]() {
+    if (issue_left > 0) {
+      const uint32_t dst = smem_lane + issue_slot;
+      // Source rows stop advancing at the last live one (and start no later than L), so even
+      // a zero-filled copy never names an address outside [0, S).
+      const int64_t off = static_cast<int64_t>(min(issue_row, L)) * p.cache.s + ld_u * V;
+      const T* kp = k_head + off;
+      const T* vp = v_head + off;
+#pragma unroll
+      for (int i = 0; i < Sh::kLdPasses; ++i) {
+        const bool row_ok = issue_row + i * Sh::kLdRows < lim;
+#pragma unroll
+        for (int j = 0; j < Sh::kLdCols; ++j) {
+          if (Sh::kUnits % Sh::kLdLanes == 0 || ld_u + j * Sh::kLdLanes < Sh::kUnits) {
+            const uint32_t so = dst + (i * Sh::kLdRows * Sh::kStride + j * Sh::kLdLanes) * 16;
+            const int e = j * Sh::kLdLanes * V;
+            CpAsync16(so, kp + e, row_ok);
+            CpAsync16(so + Sh::kTensorUnits * 16, vp + e, row_ok);
+          }
+        }
+        if (i + 1 < Sh::kLdPasses) {
+          const int64_t step = issue_row + (i + 1) * Sh::kLdRows < lim ? pass_step : 0;
+          kp += step;
+          vp += step;
+        }
+      }
+      issue_row += Sh::kCtaRows;
+      issue_slot += Sh::kStageUnits * 16;
+      if (issue_slot == Sh::kStages * Sh::kStageUnits * 16) issue_slot = 0;
+      --issue_left;
+    }
+    CpAsyncCommit();
+  };
+
+  float m[GROUP], l[GROUP], acc[GROUP][Sh::kAcc];
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) {
+    m[g] = kMaxSentinel;
+    l[g] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < Sh::kAcc; ++e) acc[g][e] = 0.0f;
+  }
+
+#pragma unroll
+  for (int t = 0; t < Sh::kStages - 1; ++t) issue();
+  __syncthreads();  // q_s
+
+  // The softcap choice is made once, outside the loop: the loop is compiled twice.
+  auto attend = [&](auto softcap_tag) {
+    constexpr bool SOFTCAP = decltype(softcap_tag)::value;
+    int slot = 0, base = first;
+    for (int t = 0; t < num_tiles; ++t, base += Sh::kCtaRows) {
+      issue();
+      CpAsyncWait<Sh::kStages - 1>();
+      __syncwarp();  // every lane's copies of tile t are visible to the whole warp
+      uint4* const kt = my_stages + slot * Sh::kStageUnits;
+      const uint4* vt = kt + Sh::kTensorUnits;
+      slot = slot + 1 == Sh::kStages ? 0 : slot + 1;
+      const int row_l = L - base;
+      if (row_l >= 0 && row_l < Sh::kRows) {  // warp-uniform: once, in the split that holds L
+#pragma unroll
+        for (int k = 0; k < (Sh::kUnits + 31) / 32; ++k) {
+          const int u = lane + 32 * k;
+          if (u < Sh::kUnits) {
+            kt[Sh::Unit(row_l, u)] = ldg16(k_new + u * V);
+            kt[Sh::kTensorUnits + Sh::Unit(row_l, u)] = ldg16(v_new + u * V);
+          }
+        }
+        __syncwarp();
+      }
+
+      float s[GROUP];
+#pragma unroll
+      for (int g = 0; g < GROUP; ++g) s[g] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < Sh::kUnitsPerLane; ++i) {
+        const int j = c + i * R;
+        float kf[V];
+        unpack_vec<T>(kt[Sh::Unit(r, j)], kf);
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+#pragma unroll
+          for (int h = 0; h < V / 4; ++h) {
+            const float4 qv = q4[(g * HEAD_DIM + j * V) / 4 + h];
+            s[g] = fmaf(qv.x, kf[4 * h], s[g]);
+            s[g] = fmaf(qv.y, kf[4 * h + 1], s[g]);
+            s[g] = fmaf(qv.z, kf[4 * h + 2], s[g]);
+            s[g] = fmaf(qv.w, kf[4 * h + 3], s[g]);
+          }
+        }
+      }
+      const bool valid = base + r < c1;
+#pragma unroll
+      for (int g = 0; g < GROUP; ++g) {
+#pragma unroll
+        for (int off = R / 2; off >= 1; off >>= 1) {
+          s[g] += __shfl_xor_sync(0xffffffffu, s[g], off);
+        }
+        float x = s[g];
+        if constexpr (SOFTCAP) x = cap_log2 * TanhBranchless(x);
+        x = valid ? x : -INFINITY;
+        float mx = x;
+#pragma unroll
+        for (int off = R; off < 32; off <<= 1)
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        if (mx > m[g]) {  // warp-uniform: mx is the max over all the warp's rows
+          const float corr = Exp2Fast(m[g] - mx);
+          m[g] = mx;
+          l[g] *= corr;
+#pragma unroll
+          for (int e = 0; e < Sh::kAcc; ++e) acc[g][e] *= corr;
+        }
+        s[g] = Exp2Fast(x - m[g]);  // -inf (row past the chunk) -> 0
+        l[g] += s[g];               // every lane of row r adds it: divided by R at the end
+      }
+      if (c == 0) {
+        if constexpr (GROUP % 4 == 0) {
+#pragma unroll
+          for (int g = 0; g < GROUP; g += 4) {
+            *reinterpret_cast<float4*>(my_p + r * GROUP + g) =
+                make_float4(s[g], s[g + 1], s[g + 2], s[g + 3]);
+          }
+        } else {
+#pragma unroll
+          for (int g = 0; g < GROUP; ++g) my_p[r * GROUP + g] = s[g];
+        }
+      }
+      __syncwarp();
+
+#pragma unroll
+      for (int rr0 = 0; rr0 < Sh::kRows; rr0 += Sh::kVRows) {
+        const int rr = rr0 + vr;
+        float pg[GROUP];
+        if constexpr (GROUP % 4 == 0) {
+#pragma unroll
+          for (int g = 0; g < GROUP; g += 4) {
+            const float4 pv = *reinterpret_cast<const float4*>(my_p + rr * GROUP + g);
+            pg[g] = pv.x;
+            pg[g + 1] = pv.y;
+            pg[g + 2] = pv.z;
+            pg[g + 3] = pv.w;
+          }
+        } else {
+#pragma unroll
+          for (int g = 0; g < GROUP; ++g) pg[g] = my_p[rr * GROUP + g];
+        }
+#pragma unroll
+        for (int v = 0; v < Sh::kVpt; ++v) {
+          constexpr int VE = Sh::kVElems;
+          const int piece = v * Sh::kVLanes + vc;
+          if (Sh::kWarpPerVRow || piece < Sh::kUnits) {
+            const int byte = piece * Sh::kVBytes;
+            float vf[VE];
+            LoadPiece<T, Sh::kVBytes>(
+                reinterpret_cast<const char*>(vt + Sh::Unit(rr, byte / 16)) + byte % 16, vf);
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+#pragma unroll
+              for (int e = 0; e < VE; ++e) {
+                acc[g][v * VE + e] = fmaf(pg[g], vf[e], acc[g][v * VE + e]);
+              }
+            }
+          }
+        }
+      }
+      __syncwarp();  // tile t's slot and my_p are rewritten by the next iteration
+    }
+  };
+  if (use_softcap) {
+    attend(std::true_type{});
+  } else {
+    attend(std::false_type{});
+  }
+  CpAsyncWait<0>();
+
+  // Within a warp m is uniform: merging its P.V row groups is a plain sum.
+#pragma unroll
+  for (int off = Sh::kVLanes; off < 32; off <<= 1) {
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+#pragma unroll
+      for (int e = 0; e < Sh::kAcc; ++e) acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], off);
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) {
+    l[g] = WarpReduce(l[g], [](float a, float o) { return a + o; }) * (1.0f / R);
+  }
+
+  // Merge the warps through shared memory (the stage ring is free once every warp is done).
+  __syncthreads();
+  float* sm_acc = reinterpret_cast<float*>(smem_raw);  // [kWarps][GROUP][HEAD_DIM]
+  if (vr == 0) {
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+#pragma unroll
+      for (int v = 0; v < Sh::kVpt; ++v) {
+        constexpr int VE = Sh::kVElems;
+        const int piece = v * Sh::kVLanes + vc;
+        if (piece * VE < HEAD_DIM) {
+#pragma unroll
+          for (int e = 0; e < VE; ++e) {
+            sm_acc[(warp * GROUP + g) * HEAD_DIM + piece * VE + e] = acc[g][v * VE + e];
+          }
+        }
+      }
+    }
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+      sm_m[warp][g] = m[g];
+      sm_l[warp][g] = l[g];
+    }
+  }
+  __syncthreads();
+  const int64_t bh0 = static_cast<int64_t>(b) * p.num_q_heads + qh0;
+  const int64_t ml_base = static_cast<int64_t>(p.batch) * p.num_q_heads * num_splits * HEAD_DIM;
+  for (int i = tid; i < ng * HEAD_DIM; i += kThreads) {
+    const int g = i / HEAD_DIM, d = i % HEAD_DIM;
+    float mx = sm_m[0][g];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) mx = fmaxf(mx, sm_m[w][g]);
+    float lsum = 0.0f, a = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float cw = exp2f(sm_m[w][g] - mx);
+      lsum += sm_l[w][g] * cw;
+      a += sm_acc[(w * GROUP + g) * HEAD_DIM + d] * cw;
+    }
+    if (num_splits == 1) {
+      out_rows[i] = from_f32<T>(a / lsum);
+    } else {
+      const int64_t part = (bh0 + g) * num_splits + split;
+      p.workspace[part * HEAD_DIM + d] = a;
+      if (d == 0) {
+        p.workspace[ml_base + part * 2] = mx;
+        p.workspace[ml_base + part * 2 + 1] = lsum;
+      }
+    }
+  }
+  if (num_splits == 1) return;
+
+  // Last CTA of this (b, KV head, head chunk) merges the splits (threadFenceReduction's
+  // pattern: publish, fence, count; the last to count reads everything after a fence).
+  const int64_t counter_base =
+      ml_base + static_cast<int64_t>(p.batch) * p.num_q_heads * num_splits * 2;
+  unsigned* counter = reinterpret_cast<unsigned*>(p.workspace + counter_base) +
+                      (static_cast<int64_t>(b) * gridDim.y + blockIdx.y);
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) s_last = atomicAdd(counter, 1u) == static_cast<unsigned>(plan.active - 1);
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  float* weight = reinterpret_cast<float*>(smem_raw);  // [GROUP][kMaxSplits]; sm_acc is done
+  for (int g = warp; g < ng; g += kWarps) {
+    const float* ml = p.workspace + ml_base + (bh0 + g) * num_splits * 2;
+    float mx = kMaxSentinel;
+    for (int s = lane; s < plan.active; s += 32) mx = fmaxf(mx, __ldcg(ml + 2 * s));
+    mx = WarpReduce(mx, [](float a, float o) { return fmaxf(a, o); });
+    float lsum = 0.0f;
+    for (int s = lane; s < plan.active; s += 32) {
+      const float w = exp2f(__ldcg(ml + 2 * s) - mx);
+      weight[g * kMaxSplits + s] = w;
+      lsum += __ldcg(ml + 2 * s + 1) * w;
+    }
+    lsum = WarpReduce(lsum, [](float a, float o) { return a + o; });
+    if (lane == 0) inv_s[g] = 1.0f / lsum;
+  }
+  __syncthreads();
+  for (int i = tid; i < ng * HEAD_DIM; i += kThreads) {
+    const int g = i / HEAD_DIM, d = i % HEAD_DIM;
+    const float* a = p.workspace + (bh0 + g) * num_splits * HEAD_DIM + d;
+    float sum = 0.0f;
+#pragma unroll 8
+    for (int s = 0; s < plan.active; ++s) {
+      sum = fmaf(__ldcg(a + static_cast<int64_t>(s) * HEAD_DIM), weight[g * kMaxSplits + s], sum);
+    }
+    out_rows[i] = from_f32<T>(sum * inv_s[g]);
+  }
+  if (tid == 0) *counter = 0u;  // tidy; the launcher zeroes the counters before every launch
+}
+
+int HeadChunks(int group) { return (group + kMaxGroup - 1) / kMaxGroup; }
+
+int GroupBucket(int group) { return group > kMaxGroup ? kMaxGroup : Pow2Ceil(group); }
+
+int CtasPerSm(int smem_bytes, int max_by_registers) {
+  const int per_sm = CurrentDeviceSmemPerSm() / (smem_bytes + kSmemPerCtaReserved);
+  return std::max(1, std::min(max_by_registers, per_sm));
+}
+
+int SplitsForCtas(int64_t ctas, int ctas_per_sm) {
+  const int64_t target = static_cast<int64_t>(ctas_per_sm) * CurrentDeviceSmCount();
+  // floor, not ceil: a grid just over one wave would leave most SMs idle in its second wave.
+  const int64_t s = target / std::max<int64_t>(1, ctas);
+  return static_cast<int>(std::min<int64_t>(kMaxSplits, std::max<int64_t>(1, s)));
+}
+
+// Split count and chunk granularity of one instantiation, without the workspace clamp.
+template <typename T, int HEAD_DIM, int GROUP>
+GqaDecodePlan PlanFor(int64_t ctas) {
+  using Sh = ShapeV2<T, HEAD_DIM>;
+  const int ctas_per_sm = CtasPerSm(SmemBytes<T, HEAD_DIM, GROUP>(), MinBlocks<GROUP>());
+  return GqaDecodePlan{SplitsForCtas(ctas, ctas_per_sm), Sh::kCtaRows, Sh::kCtaRows};
+}
+
+template <typename T, int HEAD_DIM>
+GqaDecodePlan PlanForBucket(int bucket, int64_t ctas) {
+  switch (bucket) {
+    case 1:
+      return PlanFor<T, HEAD_DIM, 1>(ctas);
+    case 2:
+      return PlanFor<T, HEAD_DIM, 2>(ctas);
+    case 4:
+      return PlanFor<T, HEAD_DIM, 4>(ctas);
+    default:
+      return PlanFor<T, HEAD_DIM, 8>(ctas);
+  }
+}
+
+template <typename T, int HEAD_DIM, int GROUP>
+cudaError_t LaunchInstance(const GqaParams<T>& p, int chunks, cudaStream_t stream) {
+  constexpr int smem = SmemBytes<T, HEAD_DIM, GROUP>();
+  auto* kernel = GqaDecodeV2Kernel<T, HEAD_DIM, GROUP>;
+  // The dynamic shared-memory opt-in is per function and device: set once per device.
+  static std::atomic<uint64_t> configured{0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return cudaGetLastError();
+  const uint64_t bit = uint64_t{1} << (dev & 63);
+  if (smem > 48 * 1024 && !(configured.load(std::memory_order_relaxed) & bit)) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    configured.fetch_or(bit, std::memory_order_relaxed);
+  }
+  const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * chunks;
+  int splits = PlanFor<T, HEAD_DIM, GROUP>(ctas).num_splits;
+  const int64_t per_split = static_cast<int64_t>(p.batch) * p.num_q_heads * (HEAD_DIM + 2);
+  const int64_t room = p.workspace == nullptr ? 0 : p.workspace_floats - ctas;  // counters
+  splits = static_cast<int>(std::min<int64_t>(splits, std::max<int64_t>(0, room) / per_split));
+  if (splits < 2) splits = 1;
+  if (splits > 1) {
+    const cudaError_t e = cudaMemsetAsync(p.workspace + per_split * splits, 0,
+                                          static_cast<size_t>(ctas) * sizeof(unsigned), stream);
+    if (e != cudaSuccess) return e;
+  }
+  const dim3 grid(splits, p.num_kv_heads * chunks, p.batch);
+  kernel<<<grid, kThreads, smem, stream>>>(p, splits, chunks);
+  return cudaGetLastError();
+}
+
+template <typename T, int HEAD_DIM>
+cudaError_t LaunchForHeadDim(const GqaParams<T>& p, cudaStream_t stream) {
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int chunks = HeadChunks(group);
+  switch (GroupBucket(group)) {
+    case 1:
+      return LaunchInstance<T, HEAD_DIM, 1>(p, chunks, stream);
+    case 2:
+      return LaunchInstance<T, HEAD_DIM, 2>(p, chunks, stream);
+    case 4:
+      return LaunchInstance<T, HEAD_DIM, 4>(p, chunks, stream);
+    default:
+      return LaunchInstance<T, HEAD_DIM, 8>(p, chunks, stream);
+  }
+}
+
+template <typename T>
+GqaDecodePlan PlanForType(int batch, int num_q_heads, int num_kv_heads, int head_dim) {
+  const int group = num_q_heads / std::max(1, num_kv_heads);
+  const int64_t ctas = static_cast<int64_t>(batch) * num_kv_heads * HeadChunks(group);
+  const int bucket = GroupBucket(group);
+  switch (head_dim) {
+    case 64:
+      return PlanForBucket<T, 64>(bucket, ctas);
+    case 80:
+      return PlanForBucket<T, 80>(bucket, ctas);
+    case 96:
+      return PlanForBucket<T, 96>(bucket, ctas);
+    case 128:
+      return PlanForBucket<T, 128>(bucket, ctas);
+    default:
+      return PlanForBucket<T, 256>(bucket, ctas);
+  }
+}
+
+}  // namespace
+
+GqaDecodePlan GqaDecodeV2Plan(int batch, int num_q_heads, int num_kv_heads, int head_dim,
+                              int itemsize) {
+  return itemsize == 4 ? PlanForType<float>(batch, num_q_heads, num_kv_heads, head_dim)
+                       : PlanForType<bf16_t>(batch, num_q_heads, num_kv_heads, head_dim);
+}
+
+int64_t GqaDecodeV2WorkspaceFloats(int batch, int num_q_heads, int head_dim) {
+  // Hkv = 1 and 4 CTAs per SM give the most splits of any Hkv and instantiation.
+  const int64_t ctas = static_cast<int64_t>(batch) * HeadChunks(num_q_heads);
+  const int splits = SplitsForCtas(ctas, kMaxCtasPerSm);
+  if (splits <= 1) return 0;
+  // Partials as kernel 1, then one counter per (b, KV head, head chunk) <= B * Hq.
+  return static_cast<int64_t>(batch) * num_q_heads * splits * (head_dim + 2) +
+         static_cast<int64_t>(batch) * num_q_heads;
+}
+
+template <typename T>
+cudaError_t LaunchGqaDecodeV2(const GqaParams<T>& p, cudaStream_t stream) {
+  if (p.batch <= 0 || p.num_q_heads <= 0) return cudaSuccess;
+  if (p.batch > 65535 || p.num_kv_heads * HeadChunks(p.num_q_heads / p.num_kv_heads) > 65535) {
+    return cudaErrorInvalidConfiguration;
+  }
+  JKV_DISPATCH_HEAD_DIM(p.head_dim, HEAD_DIM, return LaunchForHeadDim<T, HEAD_DIM>(p, stream););
+  return cudaSuccess;
+}
+
+template cudaError_t LaunchGqaDecodeV2<float>(const GqaParams<float>&, cudaStream_t);
+template cudaError_t LaunchGqaDecodeV2<bf16_t>(const GqaParams<bf16_t>&, cudaStream_t);
+template cudaError_t LaunchGqaDecodeV2<f16_t>(const GqaParams<f16_t>&, cudaStream_t);
+
+}  // namespace jax_kv
