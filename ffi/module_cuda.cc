@@ -1,14 +1,16 @@
-// NB_MODULE(_ffi_cuda): the CUDA handlers as capsules, the decode workspace size, and the
-// per-target host-call counters (the CUDA-graph replay signal).
+// NB_MODULE(_ffi_cuda): the CUDA handlers as capsules, the decode workspace size, the decode
+// kernel selection, and the per-target host-call counters (the CUDA-graph replay signal).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 
 #include "cuda/gqa_decode.cuh"
+#include "ffi/decode_kernel.h"
 #include "ffi/host_calls.h"
 #include "xla/ffi/api/api.h"
 
@@ -18,6 +20,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvGrowCacheCuda);
 
 namespace jax_kv {
 std::atomic<int64_t> g_host_calls[kNumHostCallTargets];
+std::atomic<int> g_decode_kernel{1};
 }  // namespace jax_kv
 
 namespace nb = nanobind;
@@ -50,8 +53,11 @@ NB_MODULE(_ffi_cuda, m) {
           throw std::invalid_argument("op: expected 'decode' or 'prefill', got '" + op + "'");
         }
         if (batch <= 0 || num_q_heads <= 0 || head_dim <= 0) return 0;
-        return jax_kv::GqaDecodeWorkspaceFloats(
-            static_cast<int>(batch), static_cast<int>(num_q_heads), static_cast<int>(head_dim));
+        // Both kernels fit: the selection may change between tracing and recording.
+        const int b = static_cast<int>(batch), hq = static_cast<int>(num_q_heads),
+                  d = static_cast<int>(head_dim);
+        return std::max(jax_kv::GqaDecodeWorkspaceFloats(b, hq, d),
+                        jax_kv::GqaDecodeV2WorkspaceFloats(b, hq, d));
       },
       nb::arg("op"), nb::arg("batch"), nb::arg("num_tokens"), nb::arg("num_q_heads"),
       nb::arg("head_dim"), nb::arg("capacity"),
@@ -78,5 +84,39 @@ NB_MODULE(_ffi_cuda, m) {
         return jax_kv::GqaDecodeNumSplits(batch, num_q_heads, num_kv_heads);
       },
       nb::arg("batch"), nb::arg("num_q_heads"), nb::arg("num_kv_heads"),
-      "Split count the decode kernel uses on the current device (for tests and benches).");
+      "Split count decode kernel 1 uses on the current device (for tests and benches).");
+  m.def(
+      "set_decode_kernel",
+      [](int kernel) {
+        if (kernel != 1 && kernel != 2) {
+          throw std::invalid_argument("decode kernel: expected 1 or 2, got " +
+                                      std::to_string(kernel));
+        }
+        jax_kv::g_decode_kernel.store(kernel, std::memory_order_relaxed);
+      },
+      nb::arg("kernel"),
+      "Selects the decode kernel (1 or 2) the handler launches from now on; a CUDA graph "
+      "recorded earlier keeps its kernel.");
+  m.def(
+      "decode_kernel", []() { return jax_kv::g_decode_kernel.load(std::memory_order_relaxed); },
+      "The decode kernel (1 or 2) the handler launches.");
+  m.def(
+      "decode_plan",
+      [](int batch, int num_q_heads, int num_kv_heads, int head_dim, int itemsize) {
+        if (batch <= 0 || num_q_heads <= 0 || num_kv_heads <= 0 ||
+            num_q_heads % num_kv_heads != 0 || (itemsize != 2 && itemsize != 4)) {
+          throw std::invalid_argument(
+              "decode_plan: expected positive B, Hq, Hkv with Hq % Hkv == 0 and itemsize 2 or 4");
+        }
+        jax_kv::GqaDecodePlan plan{jax_kv::GqaDecodeNumSplits(batch, num_q_heads, num_kv_heads), 16,
+                                   32};
+        if (jax_kv::g_decode_kernel.load(std::memory_order_relaxed) == 2) {
+          plan = jax_kv::GqaDecodeV2Plan(batch, num_q_heads, num_kv_heads, head_dim, itemsize);
+        }
+        return nb::make_tuple(plan.num_splits, plan.chunk_multiple, plan.min_chunk);
+      },
+      nb::arg("batch"), nb::arg("num_q_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
+      nb::arg("itemsize"),
+      "(num_splits, chunk_multiple, min_chunk) of the selected decode kernel on the current "
+      "device: each split covers a multiple of chunk_multiple tokens, at least min_chunk.");
 }

@@ -16,4 +16,15 @@ def host_calls() -> dict[str, int]:
 
 def reset_host_calls() -> None: ...
 def num_splits(batch: int, num_q_heads: int, num_kv_heads: int) -> int:
-    """Split count the decode kernel uses on the current device."""
+    """Split count decode kernel 1 uses on the current device."""
+
+def set_decode_kernel(kernel: int) -> None:
+    """Selects the decode kernel (1 or 2) the handler launches from now on; ValueError otherwise."""
+
+def decode_kernel() -> int:
+    """The decode kernel (1 or 2) the handler launches."""
+
+def decode_plan(
+    batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, itemsize: int
+) -> tuple[int, int, int]:
+    """(num_splits, chunk_multiple, min_chunk) of the selected decode kernel."""

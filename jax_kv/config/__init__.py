@@ -69,6 +69,13 @@ def _commit_ahead(name: str, raw: str) -> int:
     return value
 
 
+def _decode_kernel(name: str, raw: str) -> int:
+    value = _parse_int(name, raw)
+    if value not in (1, 2):
+        raise ConfigError(f"{name}: expected 1 or 2, got {raw!r}")
+    return value
+
+
 def _pool_bytes(name: str, raw: str) -> int:
     if raw.strip() == "0":
         return 0
@@ -88,6 +95,10 @@ class RuntimeConfig:
         prefix at each growth (None: one min_bucket).
     pool_bytes: JAX_KV_POOL_BYTES, physical memory the VMM arena keeps created ahead of need
         (64 MiB); it is device memory in use, reported as pooled_bytes.
+    decode_kernel: JAX_KV_DECODE_KERNEL, which CUDA decode kernel gqa_decode launches: 1
+        (split-K with a combine kernel, the default) or 2 (cp.async pipelines, one launch).
+        Applied when the CUDA module is registered; `_ffi_cuda.set_decode_kernel` changes it
+        later (a recorded CUDA graph keeps the kernel it was recorded with).
     """
 
     min_bucket: int = 256
@@ -95,6 +106,7 @@ class RuntimeConfig:
     reserve_bytes: int | None = None
     commit_ahead: int | None = None
     pool_bytes: int = 64 << 20
+    decode_kernel: int = 1
 
 
 # variable -> (field, parser). The one table both from_env and the freeze guard read, so the
@@ -105,6 +117,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "JAX_KV_RESERVE_BYTES": ("reserve_bytes", _parse_bytes),
     "JAX_KV_COMMIT_AHEAD": ("commit_ahead", _commit_ahead),
     "JAX_KV_POOL_BYTES": ("pool_bytes", _pool_bytes),
+    "JAX_KV_DECODE_KERNEL": ("decode_kernel", _decode_kernel),
 }
 
 

@@ -36,9 +36,11 @@ def test_parses_each_variable():
         "JAX_KV_RESERVE_BYTES": "64G",
         "JAX_KV_COMMIT_AHEAD": "128",
         "JAX_KV_POOL_BYTES": "0",
+        "JAX_KV_DECODE_KERNEL": "2",
     }
     assert set(env) == set(variables())
-    assert from_env(env) == RuntimeConfig(64, "eager", 64 << 30, 128, 0)
+    assert from_env(env) == RuntimeConfig(64, "eager", 64 << 30, 128, 0, 2)
+    assert RuntimeConfig().decode_kernel == 1
 
 
 @pytest.mark.parametrize(
@@ -50,6 +52,8 @@ def test_parses_each_variable():
         ("JAX_KV_RESERVE_BYTES", "-1"),
         ("JAX_KV_RESERVE_BYTES", "12X"),
         ("JAX_KV_COMMIT_AHEAD", "0"),
+        ("JAX_KV_DECODE_KERNEL", "3"),
+        ("JAX_KV_DECODE_KERNEL", "v2"),
     ],
 )
 def test_invalid_value_names_the_variable(name, raw):
