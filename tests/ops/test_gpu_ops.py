@@ -1,6 +1,7 @@
 """The CUDA handlers against the CPU handlers and the float64 reference: both layouts, every
 dtype, GQA ratios 1..8 and 7, head dims, lengths at split-chunk edges, ragged prefill, window,
 softcap; the device-side status path; the host-call counter as the CUDA-graph replay signal.
+Every decode test runs once per CUDA decode kernel (1 and 2, the `decode_kernel` fixture).
 
 Run twice, with command buffers forced on (XLA_FLAGS=--xla_gpu_graph_min_graph_size=1) and
 off (--xla_gpu_enable_command_buffer=); the counter test starts its own processes for both.
@@ -42,6 +43,20 @@ def cuda_module():
     return mod
 
 
+@pytest.fixture(params=[1, 2], ids=lambda k: f"kernel{k}")
+def decode_kernel(request):
+    """Selects CUDA decode kernel 1 or 2 for one test and restores the previous selection.
+    Caches are cleared first: an executable recorded as a CUDA graph keeps the kernel it was
+    recorded with."""
+    mod = cuda_module()
+    before = mod.decode_kernel()
+    jax.clear_caches()
+    mod.set_decode_kernel(request.param)
+    yield request.param
+    mod.set_decode_kernel(before)
+    jax.clear_caches()
+
+
 def on_cpu(fn, *args, **kw):
     """The same jitted function on the CPU handlers (inputs committed to the CPU device)."""
     cpu = jax.devices("cpu")[0]
@@ -53,22 +68,24 @@ def on_gpu(fn, *args, **kw):
     return jax.jit(fn)(*jax.device_put(args, gpu), **jax.device_put(kw, gpu))
 
 
-def decode_lengths(rng, B, S, num_splits):
-    """0, 1, S - 1, both sides of the minimum split chunk (32: L = 32 leaves the new token
-    alone in split 1), both sides of the chunk the splits give at S - 1, random."""
+def decode_lengths(rng, B, S, plan):
+    """0, 1, S - 1, both sides of the minimum split chunk (L = min_chunk leaves the new token
+    alone in split 1), both sides of the chunk the splits give at S - 1, random. `plan` is
+    the selected kernel's (num_splits, chunk_multiple, min_chunk)."""
+    num_splits, multiple, min_chunk = plan
     chunk = -(-S // max(1, num_splits))
-    chunk = max(32, (chunk + 15) & ~15)
-    fixed = [0, 1, S - 1, 31, 32, chunk - 1, chunk, 2 * chunk]
+    chunk = max(min_chunk, -(-chunk // multiple) * multiple)
+    fixed = [0, 1, S - 1, min_chunk - 1, min_chunk, chunk - 1, chunk, 2 * chunk]
     vals = [fixed[i] if i < len(fixed) else int(rng.integers(0, S)) for i in range(B)]
     return np.minimum(np.asarray(vals, np.int32), S - 1)
 
 
 def check_decode(rng, layout, dtype, Hq, Hkv, D, *, S=1024, B=8, **kw):
-    splits = cuda_module().num_splits(B, Hq, Hkv)
+    plan = cuda_module().decode_plan(B, Hq, Hkv, D, jnp.dtype(dtype).itemsize)
     q = randn(rng, (B, Hq, D), dtype)
     k, v = randn(rng, (B, Hkv, D), dtype), randn(rng, (B, Hkv, D), dtype)
     kc, vc = caches(rng, layout, B, S, Hkv, D, dtype)
-    lengths = jnp.asarray(decode_lengths(rng, B, S, splits))
+    lengths = jnp.asarray(decode_lengths(rng, B, S, plan))
 
     def fn(*a):
         return gqa_decode(*a, layout=layout, **kw)
@@ -90,36 +107,36 @@ def check_decode(rng, layout, dtype, Hq, Hkv, D, *, S=1024, B=8, **kw):
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"Hq{h[0]}-Hkv{h[1]}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
-def test_decode_matches_cpu_and_reference(rng, layout, dtype, heads):
+def test_decode_matches_cpu_and_reference(decode_kernel, rng, layout, dtype, heads):
     check_decode(rng, layout, dtype, *heads, D=128)
 
 
 @pytest.mark.parametrize("D", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=dtype_ids)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
-def test_decode_head_dims(rng, layout, dtype, D):
+def test_decode_head_dims(decode_kernel, rng, layout, dtype, D):
     check_decode(rng, layout, dtype, 28, 4, D, S=512, B=6)
 
 
 @pytest.mark.parametrize("heads", [(64, 4), (8, 1)], ids=lambda h: f"Hq{h[0]}-Hkv{h[1]}")
-def test_decode_large_groups(rng, heads):
+def test_decode_large_groups(decode_kernel, rng, heads):
     # 16 query heads per KV head take two head chunks of 8; MQA with 8.
     check_decode(rng, Layout.SEQ_MAJOR, jnp.bfloat16, *heads, D=64, S=256, B=3)
 
 
 @pytest.mark.parametrize("window", [1, 7, 100, 1000])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
-def test_decode_window(rng, layout, window):
+def test_decode_window(decode_kernel, rng, layout, window):
     check_decode(rng, layout, jnp.bfloat16, 32, 8, 128, window=window)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
-def test_decode_softcap_and_scale(rng, layout):
+def test_decode_softcap_and_scale(decode_kernel, rng, layout):
     check_decode(rng, layout, jnp.float32, 8, 2, 128, softcap=2.0, scale=0.5)
     check_decode(rng, layout, jnp.float16, 8, 2, 128, softcap=30.0, window=16)
 
 
-def test_decode_large_capacity_few_live(rng):
+def test_decode_large_capacity_few_live(decode_kernel, rng):
     # 131072 slots, 1024 live: the grid follows lengths, never S.
     B, Hq, Hkv, D, S = 1, 32, 8, 128, 131072
     q = randn(rng, (B, Hq, D), jnp.bfloat16)
@@ -220,7 +237,7 @@ def test_grow_cache_matches_cpu_and_reference(rng, layout, dtype):
 # --- device-side bounds: status latched, cache untouched, out NaN --------------------------
 
 
-def test_decode_status_out_of_range(rng):
+def test_decode_status_out_of_range(decode_kernel, rng):
     layout, B, Hq, Hkv, D, S = Layout.HEAD_MAJOR, 3, 8, 2, 64, 96
     q = randn(rng, (B, Hq, D), jnp.bfloat16)
     k, v = randn(rng, (B, Hkv, D), jnp.bfloat16), randn(rng, (B, Hkv, D), jnp.bfloat16)
@@ -291,6 +308,21 @@ def test_grow_status_out_of_range(rng):
     )
 
 
+def test_decode_kernel_selection():
+    mod = cuda_module()
+    before = mod.decode_kernel()
+    assert before in (1, 2)
+    with pytest.raises(ValueError, match="expected 1 or 2"):
+        mod.set_decode_kernel(3)
+    assert mod.decode_kernel() == before
+    try:
+        mod.set_decode_kernel(2)
+        splits, multiple, min_chunk = mod.decode_plan(1, 32, 8, 128, 2)
+        assert splits > 1 and multiple == min_chunk and multiple % 8 == 0
+    finally:
+        mod.set_decode_kernel(before)
+
+
 def test_workspace_independent_of_capacity():
     mod = cuda_module()
     sizes = {mod.workspace_floats("decode", 1, 1, 32, 128, s) for s in (1024, 4096, 131072)}
@@ -312,6 +344,7 @@ _COUNTER_SCRIPT = textwrap.dedent(
     from jax_kv import Layout, gqa_decode, _ffi
     _ffi.register()
     cuda = _ffi.cuda_module()
+    kernel = cuda.decode_kernel()  # from JAX_KV_DECODE_KERNEL, applied by register()
     B, Hq, Hkv, D, S = 2, 8, 2, 64, 256
     rng = np.random.default_rng(0)
     r = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32), jnp.bfloat16)
@@ -330,19 +363,25 @@ _COUNTER_SCRIPT = textwrap.dedent(
         out, kc, vc = step(q, k, v, kc, vc, lengths)
         out.block_until_ready()
         del out
-    print(json.dumps({"steps": steps, **cuda.host_calls()}))
+    print(json.dumps({"steps": steps, "kernel": kernel, **cuda.host_calls()}))
     """
 )
 
 
+@pytest.mark.parametrize("kernel", [1, 2], ids=["kernel1", "kernel2"])
 @pytest.mark.parametrize("command_buffers", [True, False], ids=["graphs_on", "graphs_off"])
-def test_host_calls_show_graph_replay(command_buffers):
+def test_host_calls_show_graph_replay(command_buffers, kernel):
     flags = (
         "--xla_gpu_graph_min_graph_size=1"
         if command_buffers
         else "--xla_gpu_enable_command_buffer="
     )
-    env = dict(os.environ, XLA_FLAGS=flags, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env = dict(
+        os.environ,
+        XLA_FLAGS=flags,
+        XLA_PYTHON_CLIENT_PREALLOCATE="false",
+        JAX_KV_DECODE_KERNEL=str(kernel),
+    )
     res = subprocess.run(
         [sys.executable, "-c", _COUNTER_SCRIPT],
         env=env,
@@ -352,6 +391,7 @@ def test_host_calls_show_graph_replay(command_buffers):
     )
     assert res.returncode == 0, res.stderr[-4000:]
     counts = json.loads(res.stdout.strip().splitlines()[-1])
+    assert counts["kernel"] == kernel, counts
     calls = counts["jax_kv_gqa_decode"]
     if command_buffers:
         assert calls == 0, f"replayed steps ran the handler's host code: {counts}"
