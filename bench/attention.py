@@ -4,8 +4,10 @@ masked attention, device time inside one jitted lax.fori_loop, median of repeats
 bf16, Hq=32, Hkv=8, D=128, both cache layouts (the comparators read [B, S, Hkv, D] in both
 rows: cuDNN takes no other layout). Prints the tables and writes attention.json (GPU name, jax
 version, git commit) and attention.png (achieved live-KV GB/s per row) under --out.
+--decode-kernel 1, 2 or both times CUDA decode kernel 1 (keys jax_kv_<LAYOUT>), kernel 2
+(jax_kv_k2_<LAYOUT>) or both in the same run, beside the same cuDNN and XLA measurements.
 
-    python bench/attention.py --out /tmp/bench
+    python bench/attention.py --out /tmp/bench --decode-kernel both
 """
 
 from __future__ import annotations
@@ -91,7 +93,23 @@ def xla_decode(q, k, v, n):
     return jnp.einsum("bhgs,bshd->bhgd", p, v).reshape(B, HQ, D)
 
 
-def bench_decode(B, S, live, iters):
+def decode_key(kernel: int, layout: Layout) -> str:
+    """Row key of jax_kv's time with CUDA decode kernel `kernel` (1 keeps the old key)."""
+    return f"jax_kv_{layout.name}" if kernel == 1 else f"jax_kv_k{kernel}_{layout.name}"
+
+
+def select_decode_kernel(kernel: int) -> None:
+    """Makes the CUDA decode handler launch `kernel` from the next compiled step on."""
+    from jax_kv import _ffi
+
+    _ffi.register()
+    cuda = _ffi.cuda_module()
+    if cuda is None:
+        raise RuntimeError("--decode-kernel needs the CUDA module (JAX_KV_CUDA=ON build)")
+    cuda.set_decode_kernel(kernel)
+
+
+def bench_decode(B, S, live, iters, kernels=(1,)):
     keys = jax.random.split(jax.random.key(B * 7 + S), 6)
     q = rand(keys[0], (B, HQ, D))
     k_new, v_new = rand(keys[1], (B, HKV, D)), rand(keys[2], (B, HKV, D))
@@ -102,22 +120,28 @@ def bench_decode(B, S, live, iters):
     k_bshd, v_bshd = rand(keys[3], (B, S, HKV, D)), rand(keys[4], (B, S, HKV, D))
 
     consts = (k_new, v_new, lengths)
-    for layout in Layout:
-        if layout == Layout.SEQ_MAJOR:
-            kc, vc = k_bshd, v_bshd
-        else:
-            kc, vc = (jnp.swapaxes(x, 1, 2) for x in (k_bshd, v_bshd))
+    ours = []
+    for kernel in kernels:
+        # Each time_loop compiles a fresh executable, recorded after the selection below.
+        select_decode_kernel(kernel)
+        for layout in Layout:
+            if layout == Layout.SEQ_MAJOR:
+                kc, vc = k_bshd, v_bshd
+            else:
+                kc, vc = (jnp.swapaxes(x, 1, 2) for x in (k_bshd, v_bshd))
 
-        def step(c, x, layout=layout):
-            q, kc, vc = c
-            k_new, v_new, lengths = x
-            return gqa_decode(q, k_new, v_new, kc, vc, lengths, layout=layout)
+            def step(c, x, layout=layout):
+                q, kc, vc = c
+                k_new, v_new, lengths = x
+                return gqa_decode(q, k_new, v_new, kc, vc, lengths, layout=layout)
 
-        t, err = guarded(lambda c=(q, kc, vc), f=step: time_loop(f, c, consts, iters, 8))
-        row[f"jax_kv_{layout.name}"] = None if t is None else t[0]
-        row[f"compile_jax_kv_{layout.name}"] = None if t is None else t[1]
-        if err:
-            row[f"error_jax_kv_{layout.name}"] = err
+            key = decode_key(kernel, layout)
+            ours.append(key)
+            t, err = guarded(lambda c=(q, kc, vc), f=step: time_loop(f, c, consts, iters, 8))
+            row[key] = None if t is None else t[0]
+            row[f"compile_{key}"] = None if t is None else t[1]
+            if err:
+                row[f"error_{key}"] = err
 
     def cudnn_step(q, x):
         k, v, n = x
@@ -131,7 +155,7 @@ def bench_decode(B, S, live, iters):
     row["cudnn"], row["error_cudnn"] = t, err
     t, err = guarded(lambda: time_loop(lambda q, x: xla_decode(q, *x), q, consts, iters, 8)[0])
     row["xla"], row["error_xla"] = t, err
-    for name in ("jax_kv_HEAD_MAJOR", "jax_kv_SEQ_MAJOR", "cudnn", "xla"):
+    for name in (*ours, "cudnn", "xla"):
         row[f"gbps_{name}"] = None if row[name] is None else bytes_live / row[name] / 1e9
     return row
 
@@ -214,18 +238,23 @@ def ratio(a, b):
     return None if a is None or b is None else b / a
 
 
-def print_decode(rows):
-    print("\nDecode (bf16, Hq=32, Hkv=8, D=128): time in us, live-KV GB/s, x = cuDNN time / ours")
+def print_decode(rows, kernels=(1,)):
     print(
-        f"{'B':>4} {'S':>7} {'live':>7} | {'layout':>10} {'jax_kv':>8} {'GB/s':>8} | "
+        "\nDecode (bf16, Hq=32, Hkv=8, D=128): time in us, live-KV GB/s, x = cuDNN time / ours; "
+        "k = CUDA decode kernel"
+    )
+    print(
+        f"{'B':>4} {'S':>7} {'live':>7} | {'layout':>10} {'k':>1} {'jax_kv':>8} {'GB/s':>8} | "
         f"{'cuDNN':>8} {'GB/s':>8} | {'XLA':>8} {'GB/s':>8} | {'x cuDNN':>7} {'x XLA':>7}"
     )
     for r in rows:
-        for lay in ("HEAD_MAJOR", "SEQ_MAJOR"):
-            ours = r[f"jax_kv_{lay}"]
+        for lay, kernel in ((lay, k) for lay in Layout for k in kernels):
+            key = decode_key(kernel, lay)
+            ours = r.get(key)
             print(
-                f"{r['B']:>4} {r['S']:>7} {r['live']:>7} | {lay:>10} {fmt(ours, 1e6)} "
-                f"{fmt(r[f'gbps_jax_kv_{lay}'], 1, '8.0f')} | {fmt(r['cudnn'], 1e6)} "
+                f"{r['B']:>4} {r['S']:>7} {r['live']:>7} | {lay.name:>10} {kernel} "
+                f"{fmt(ours, 1e6)} "
+                f"{fmt(r.get(f'gbps_{key}'), 1, '8.0f')} | {fmt(r['cudnn'], 1e6)} "
                 f"{fmt(r['gbps_cudnn'], 1, '8.0f')} | {fmt(r['xla'], 1e6)} "
                 f"{fmt(r['gbps_xla'], 1, '8.0f')} | {fmt(ratio(ours, r['cudnn']), 1, '7.2f')} "
                 f"{fmt(ratio(ours, r['xla']), 1, '7.2f')}"
@@ -262,18 +291,22 @@ def plot(decode, prefill, path):
     names = [
         ("jax_kv_HEAD_MAJOR", "jax_kv head-major"),
         ("jax_kv_SEQ_MAJOR", "jax_kv seq-major"),
+        ("jax_kv_k2_HEAD_MAJOR", "jax_kv head-major, kernel 2"),
+        ("jax_kv_k2_SEQ_MAJOR", "jax_kv seq-major, kernel 2"),
         ("cudnn", "cuDNN"),
         ("xla", "XLA masked"),
     ]
+    present = {k for r in decode + prefill for k in r}
+    names = [(n, t) for n, t in names if n in present]
     for ax, rows, key, label, ylabel in (
         (axes[0], decode, "gbps_", lambda r: f"B{r['B']}\nS{r['S']}\nL{r['live']}", "live-KV GB/s"),
         (axes[1], prefill, "tflops_", lambda r: f"T{r['T']}\npast{r['past']}", "TFLOP/s"),
     ):
         x = np.arange(len(rows))
-        w = 0.2
+        w = 0.8 / len(names)
         for i, (name, text) in enumerate(names):
-            vals = [r[key + name] or 0.0 for r in rows]
-            ax.bar(x + (i - 1.5) * w, vals, w, label=text)
+            vals = [r.get(key + name) or 0.0 for r in rows]
+            ax.bar(x + (i - (len(names) - 1) / 2) * w, vals, w, label=text)
         ax.set_xticks(x, [label(r) for r in rows], fontsize=7)
         ax.set_ylabel(ylabel)
     axes[0].axhline(4300, color="gray", ls="--", lw=0.8, label="~4.3 TB/s copy ceiling")
@@ -303,7 +336,19 @@ def main():
     ap.add_argument("--out", required=True, help="folder for attention.json and attention.png")
     ap.add_argument("--decode-iters", type=int, default=256)
     ap.add_argument("--quick", action="store_true", help="first decode/prefill rows only")
+    ap.add_argument(
+        "--decode-kernel",
+        choices=("1", "2", "both"),
+        default=None,
+        help="CUDA decode kernel(s) to time (default: JAX_KV_DECODE_KERNEL, else 1)",
+    )
     args = ap.parse_args()
+    if args.decode_kernel is None:
+        from jax_kv.config import runtime_config
+
+        kernels = (runtime_config().decode_kernel,)
+    else:
+        kernels = (1, 2) if args.decode_kernel == "both" else (int(args.decode_kernel),)
     os.makedirs(args.out, exist_ok=True)
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind}, jax {jax.__version__}, commit {git_commit()[:12]}")
@@ -320,6 +365,7 @@ def main():
         "D": D,
         "repeats": REPEATS,
         "decode_iters": args.decode_iters,
+        "decode_kernels": list(kernels),
         "timing": "median wall time of one jitted lax.fori_loop call / iterations",
     }
     decode, prefill = [], []
@@ -329,15 +375,18 @@ def main():
             json.dump({"meta": meta, "decode": decode, "prefill": prefill}, f, indent=1)
 
     for B, S, live in decode_rows:
-        decode.append(bench_decode(B, S, live, args.decode_iters))
+        decode.append(bench_decode(B, S, live, args.decode_iters, kernels))
         save()
         r = decode[-1]
+        ours = ", ".join(
+            f"k{k} {fmt(r.get(decode_key(k, Layout.SEQ_MAJOR)), 1e6).strip()}" for k in kernels
+        )
         print(
-            f"  decode B={B} S={S} live={live}: jax_kv {fmt(r['jax_kv_SEQ_MAJOR'], 1e6)} us "
+            f"  decode B={B} S={S} live={live}: jax_kv {ours} us "
             f"(seq-major), cuDNN {fmt(r['cudnn'], 1e6)} us, XLA {fmt(r['xla'], 1e6)} us",
             flush=True,
         )
-    print_decode(decode)
+    print_decode(decode, kernels)
     for T, past in prefill_rows:
         iters = max(2, min(64, 2**25 // (T * T + T * past)))
         prefill.append(bench_prefill(T, past, iters))
@@ -348,7 +397,7 @@ def main():
             f"cuDNN {fmt(r['cudnn'], 1e3, '8.3f')} ms",
             flush=True,
         )
-    print_decode(decode)
+    print_decode(decode, kernels)
     print_prefill(prefill)
     errors = {
         f"{i}:{k}": v

@@ -2,6 +2,8 @@
 # One device call: build the CUDA module, run the GPU tests, run the benchmarks. Logs go to
 # $OUT (or ./device-out). Each stage has its own time limit so the whole fits one call.
 #   bash scripts/device_run.sh [stages...]   stages: build ops ops-off gen cache attn generate san
+# ATTN_ARGS passes options to bench/attention.py (e.g. "--decode-kernel both"), ATTN_TIMEOUT
+# its time limit in seconds (200).
 set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT"
@@ -40,7 +42,7 @@ for s in $STAGES; do
         | tee "$OUT/cache.log" | tail -3 ;;
     attn)
       stage "bench/attention.py"
-      timeout 200 python3 bench/attention.py --out "$OUT" 2>&1 \
+      timeout ${ATTN_TIMEOUT:-200} python3 bench/attention.py --out "$OUT" ${ATTN_ARGS:-} 2>&1 \
         | grep -v -i -E "constant.fold|isn't necessarily|file a bug|^$|operation took" \
         | tee "$OUT/attention.log" | tail -40 ;;
     generate)
