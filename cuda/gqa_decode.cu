@@ -276,31 +276,8 @@ __global__ void __launch_bounds__(kThreads,
     }
   }
   __syncthreads();
-  const int64_t bh0 = static_cast<int64_t>(b) * p.num_q_heads + qh0;
-  const int64_t ml_base = static_cast<int64_t>(p.batch) * p.num_q_heads * num_splits * HEAD_DIM;
-  for (int i = tid; i < ng * HEAD_DIM; i += kThreads) {
-    const int g = i / HEAD_DIM, d = i % HEAD_DIM;
-    float mx = sm_m[0][g];
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w) mx = fmaxf(mx, sm_m[w][g]);
-    float lsum = 0.0f, a = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float c = exp2f(sm_m[w][g] - mx);
-      lsum += sm_l[w][g] * c;
-      a += sm_acc[w][g][d] * c;
-    }
-    if (num_splits == 1) {
-      out_rows[i] = from_f32<T>(a / lsum);
-    } else {
-      const int64_t part = (bh0 + g) * num_splits + split;
-      p.workspace[part * HEAD_DIM + d] = a;
-      if (d == 0) {
-        p.workspace[ml_base + part * 2] = mx;
-        p.workspace[ml_base + part * 2 + 1] = lsum;
-      }
-    }
-  }
+  StoreDecodeSplit<T, HEAD_DIM, GROUP, kWarps, kThreads>(p, sm_m, sm_l, &sm_acc[0][0][0], b, qh0,
+                                                         ng, split, num_splits, out_rows);
 }
 
 // Merges the splits' partials of one (b, query head): out = sum_s acc_s 2^(m_s - M) /
@@ -310,8 +287,7 @@ constexpr int kCombineThreads = 128;
 
 template <typename Op>
 __device__ __forceinline__ float BlockReduce(float v, float* scratch, Op op) {
-#pragma unroll
-  for (int off = 16; off >= 1; off >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, off));
+  v = WarpReduce(v, op);
   __syncthreads();  // scratch may still be read by a previous reduction
   if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
   __syncthreads();

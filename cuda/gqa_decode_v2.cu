@@ -172,26 +172,7 @@ __device__ __forceinline__ void LoadPiece(const void* smem, float (&f)[BYTES / s
   } else {
     w[0] = *reinterpret_cast<const uint32_t*>(smem);
   }
-#pragma unroll
-  for (int i = 0; i < W; ++i) {
-    if constexpr (std::is_same_v<T, float>) {
-      f[i] = __uint_as_float(w[i]);
-    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      f[2 * i] = __uint_as_float(w[i] << 16);
-      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    } else {
-      const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
-      f[2 * i] = v.x;
-      f[2 * i + 1] = v.y;
-    }
-  }
-}
-
-template <typename Op>
-__device__ __forceinline__ float WarpReduce(float v, Op op) {
-#pragma unroll
-  for (int off = 16; off >= 1; off >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, off));
-  return v;
+  unpack_words<T>(w, f);
 }
 
 struct SplitPlan {
@@ -517,32 +498,11 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<GROUP>())
     }
   }
   __syncthreads();
+  StoreDecodeSplit<T, HEAD_DIM, GROUP, kWarps, kThreads>(p, sm_m, sm_l, sm_acc, b, qh0, ng, split,
+                                                         num_splits, out_rows);
+  if (num_splits == 1) return;
   const int64_t bh0 = static_cast<int64_t>(b) * p.num_q_heads + qh0;
   const int64_t ml_base = static_cast<int64_t>(p.batch) * p.num_q_heads * num_splits * HEAD_DIM;
-  for (int i = tid; i < ng * HEAD_DIM; i += kThreads) {
-    const int g = i / HEAD_DIM, d = i % HEAD_DIM;
-    float mx = sm_m[0][g];
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w) mx = fmaxf(mx, sm_m[w][g]);
-    float lsum = 0.0f, a = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float cw = exp2f(sm_m[w][g] - mx);
-      lsum += sm_l[w][g] * cw;
-      a += sm_acc[(w * GROUP + g) * HEAD_DIM + d] * cw;
-    }
-    if (num_splits == 1) {
-      out_rows[i] = from_f32<T>(a / lsum);
-    } else {
-      const int64_t part = (bh0 + g) * num_splits + split;
-      p.workspace[part * HEAD_DIM + d] = a;
-      if (d == 0) {
-        p.workspace[ml_base + part * 2] = mx;
-        p.workspace[ml_base + part * 2 + 1] = lsum;
-      }
-    }
-  }
-  if (num_splits == 1) return;
 
   // Last CTA of this (b, KV head, head chunk) merges the splits (threadFenceReduction's
   // pattern: publish, fence, count; the last to count reads everything after a fence).

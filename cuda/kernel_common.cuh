@@ -78,20 +78,15 @@ __device__ __forceinline__ __half from_f32<__half>(float x) {
   return __float2half_rn(x);
 }
 
-// 16 bytes -> floats.
-__device__ __forceinline__ void unpack(const uint4& r, float (&f)[4]) {
-  f[0] = __uint_as_float(r.x);
-  f[1] = __uint_as_float(r.y);
-  f[2] = __uint_as_float(r.z);
-  f[3] = __uint_as_float(r.w);
-}
-template <typename T>
-__device__ __forceinline__ void unpack(const uint4& r, float (&f)[8]) {
-  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+// W 32-bit words of T -> floats (W for f32, 2W for bf16/f16). bf16 -> f32 is a shift: the low
+// half moves up 16 bits, the high half is masked.
+template <typename T, int W>
+__device__ __forceinline__ void unpack_words(const uint32_t (&w)[W], float* f) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      // bf16 -> f32 is a shift: the low half moves up 16 bits, the high half is masked.
+  for (int i = 0; i < W; ++i) {
+    if constexpr (std::is_same_v<T, float>) {
+      f[i] = __uint_as_float(w[i]);
+    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
       f[2 * i] = __uint_as_float(w[i] << 16);
       f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
     } else {
@@ -101,13 +96,19 @@ __device__ __forceinline__ void unpack(const uint4& r, float (&f)[8]) {
     }
   }
 }
+
+// 16 bytes -> floats.
 template <typename T, int N>
 __device__ __forceinline__ void unpack_vec(const uint4& r, float (&f)[N]) {
-  if constexpr (N == 4) {
-    unpack(r, f);
-  } else {
-    unpack<T>(r, f);
-  }
+  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+  unpack_words<T>(w, f);
+}
+
+template <typename Op>
+__device__ __forceinline__ float WarpReduce(float v, Op op) {
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
 }
 
 // floats -> 16 bytes of T.
@@ -124,6 +125,43 @@ __device__ __forceinline__ uint4 pack_vec(const float (&f)[N]) {
     r = *reinterpret_cast<const uint4*>(t);
   }
   return r;
+}
+
+// Decode, end of a split: merges the WARPS per-warp partials of the CTA's query heads g < ng
+// (m and l in log2 units, acc unnormalised, acc laid out [WARPS][GROUP][HEAD_DIM] in shared
+// memory) and writes the result: the output rows when there is one split, else this split's
+// partial in the workspace, acc [B, Hq, splits, D] followed by (m, l) [B, Hq, splits, 2].
+template <typename T, int HEAD_DIM, int GROUP, int WARPS, int THREADS>
+__device__ __forceinline__ void StoreDecodeSplit(const GqaParams<T>& p,
+                                                 const float (&sm_m)[WARPS][GROUP],
+                                                 const float (&sm_l)[WARPS][GROUP],
+                                                 const float* sm_acc, int b, int qh0, int ng,
+                                                 int split, int num_splits, T* out_rows) {
+  const int64_t bh0 = static_cast<int64_t>(b) * p.num_q_heads + qh0;
+  const int64_t ml_base = static_cast<int64_t>(p.batch) * p.num_q_heads * num_splits * HEAD_DIM;
+  for (int i = threadIdx.x; i < ng * HEAD_DIM; i += THREADS) {
+    const int g = i / HEAD_DIM, d = i % HEAD_DIM;
+    float mx = sm_m[0][g];
+#pragma unroll
+    for (int w = 1; w < WARPS; ++w) mx = fmaxf(mx, sm_m[w][g]);
+    float lsum = 0.0f, a = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float c = exp2f(sm_m[w][g] - mx);
+      lsum += sm_l[w][g] * c;
+      a += sm_acc[(w * GROUP + g) * HEAD_DIM + d] * c;
+    }
+    if (num_splits == 1) {
+      out_rows[i] = from_f32<T>(a / lsum);
+    } else {
+      const int64_t part = (bh0 + g) * num_splits + split;
+      p.workspace[part * HEAD_DIM + d] = a;
+      if (d == 0) {
+        p.workspace[ml_base + part * 2] = mx;
+        p.workspace[ml_base + part * 2 + 1] = lsum;
+      }
+    }
+  }
 }
 
 __device__ __forceinline__ uint4 ldg16(const void* p) {
