@@ -44,6 +44,11 @@ PREFILL_ROWS = [(1024, 0), (4096, 0), (16384, 0), (512, 8192)]  # (T, past), B =
 REPEATS = 5
 
 
+def in_layout(x_bshd: jax.Array, layout: Layout) -> jax.Array:
+    """A [B, S, Hkv, D] array in `layout`'s axis order (the comparators read BSHD)."""
+    return jnp.transpose(x_bshd, ["BSHD".index(a) for a in layout.axes])
+
+
 def time_loop(step: Callable, carry, consts, iters: int, unroll: int) -> tuple[float, float]:
     """(median seconds per step, compile seconds) of `iters` steps `carry = step(carry, consts)`
     in one jitted fori_loop. Arrays go in as arguments: closed-over arrays would become XLA
@@ -125,10 +130,7 @@ def bench_decode(B, S, live, iters, kernels=(1,)):
         # Each time_loop compiles a fresh executable, recorded after the selection below.
         select_decode_kernel(kernel)
         for layout in Layout:
-            if layout == Layout.SEQ_MAJOR:
-                kc, vc = k_bshd, v_bshd
-            else:
-                kc, vc = (jnp.swapaxes(x, 1, 2) for x in (k_bshd, v_bshd))
+            kc, vc = in_layout(k_bshd, layout), in_layout(v_bshd, layout)
 
             def step(c, x, layout=layout):
                 q, kc, vc = c
@@ -191,10 +193,7 @@ def bench_prefill(T, past, iters):
 
     consts = (k_new, v_new, lengths)
     for layout in Layout:
-        if layout == Layout.SEQ_MAJOR:
-            kc, vc = k_bshd, v_bshd
-        else:
-            kc, vc = (jnp.swapaxes(x, 1, 2) for x in (k_bshd, v_bshd))
+        kc, vc = in_layout(k_bshd, layout), in_layout(v_bshd, layout)
 
         def step(c, x, layout=layout):
             q, kc, vc = c
