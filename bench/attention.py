@@ -341,6 +341,7 @@ def main():
         default=None,
         help="CUDA decode kernel(s) to time (default: JAX_KV_DECODE_KERNEL, else 1)",
     )
+    ap.add_argument("--parts", default="decode,prefill", help="tables to measure")
     args = ap.parse_args()
     if args.decode_kernel is None:
         from jax_kv.config import runtime_config
@@ -354,6 +355,9 @@ def main():
 
     decode_rows = DECODE_ROWS[:2] if args.quick else DECODE_ROWS
     prefill_rows = PREFILL_ROWS[:2] if args.quick else PREFILL_ROWS
+    parts = args.parts.split(",")
+    decode_rows = decode_rows if "decode" in parts else []
+    prefill_rows = prefill_rows if "prefill" in parts else []
     meta = {
         "gpu": dev.device_kind,
         "jax": jax.__version__,

@@ -60,8 +60,9 @@ def run_generator(
     )
 
 
-def run_plain_jax(model, prompts: np.ndarray, new_tokens: int, static_len: int) -> dict:
-    """What a JAX user writes today: a cache at max_len, XLA attention over all of it."""
+def plain_jax_loop(model, prompts: np.ndarray, static_len: int):
+    """What a JAX user writes today: a cache at max_len, XLA attention over all of it.
+    -> (step, state): `state = step(*state)` decodes one token; state[0] is the tokens [B]."""
     config, params = model.config, model.params
     layout = Layout.SEQ_MAJOR
     B, P = prompts.shape
@@ -73,7 +74,7 @@ def run_plain_jax(model, prompts: np.ndarray, new_tokens: int, static_len: int) 
         donate_argnames=("caches",),
     )
 
-    @functools.partial(jax.jit, donate_argnums=(2,))
+    @functools.partial(jax.jit, donate_argnums=(2, 3))
     def step(params, tokens, caches, lengths):
         logits, caches = llama.decode_step(
             params, config, tokens, caches, lengths, layout=layout, attention=xla_gqa_decode
@@ -85,17 +86,21 @@ def run_plain_jax(model, prompts: np.ndarray, new_tokens: int, static_len: int) 
         params, tokens=jnp.asarray(prompts), new_lengths=None, caches=caches, lengths=lengths
     )
     tok = jnp.argmax(logits, -1).astype(jnp.int32)
-    lengths = lengths + P
+    return functools.partial(step, params), (tok, caches, lengths + P)
+
+
+def run_plain_jax(model, prompts: np.ndarray, new_tokens: int, static_len: int) -> dict:
+    step, state = plain_jax_loop(model, prompts, static_len)
     t0 = time.perf_counter()
-    tok, caches, lengths = step(params, tok, caches, lengths)  # compile
-    np.asarray(tok)
+    state = step(*state)  # compile
+    np.asarray(state[0])
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(new_tokens - 2):
-        tok, caches, lengths = step(params, tok, caches, lengths)
-        np.asarray(tok)  # one sync per token, as the Generator does
+        state = step(*state)
+        np.asarray(state[0])  # one sync per token, as the Generator does
     dt = time.perf_counter() - t0
-    return dict(tok_s=B * (new_tokens - 2) / dt, compile_s=compile_s)
+    return dict(tok_s=prompts.shape[0] * (new_tokens - 2) / dt, compile_s=compile_s)
 
 
 def _hf_config(ref_transformers: Any, config) -> Any:

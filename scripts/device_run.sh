@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call: build the CUDA module, run the GPU tests, run the benchmarks. Logs go to
 # $OUT (or ./device-out). Each stage has its own time limit so the whole fits one call.
-#   bash scripts/device_run.sh [stages...]   stages: build ops ops-off gen cache attn generate san
+#   bash scripts/device_run.sh [stages...]   stages: build ops ops-off gen cache attn generate profile san
 # ATTN_ARGS passes options to bench/attention.py (e.g. "--decode-kernel both"), ATTN_TIMEOUT
-# its time limit in seconds (200).
+# its time limit in seconds (200); PROF_ARGS / PROF_TIMEOUT the same for bench/step_profile.py.
 set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT"
@@ -51,6 +51,10 @@ for s in $STAGES; do
         --models ${GEN_MODELS:-smollm2-135m,qwen2.5-0.5b} --batch ${GEN_BATCH:-1,32} \
         --new-tokens ${GEN_TOKENS:-256} 2>&1 | grep -v -E "^\s*$|WARNING" \
         | tee "$OUT/generate.log" | tail -30 ;;
+    profile)
+      stage "bench/step_profile.py"
+      timeout ${PROF_TIMEOUT:-330} python3 bench/step_profile.py --out "$OUT/profile" ${PROF_ARGS:-} 2>&1 \
+        | tee "$OUT/profile.log" | tail -12 ;;
     san)
       stage "compute-sanitizer memcheck"
       timeout 120 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -m gpu \

@@ -40,9 +40,10 @@ def test_seq_major_keeps_the_compiled_step(runs):
     calls = s["host_calls_per_step"]
     assert calls is not None and calls[0] > 0, "the host-call counter saw no handler run"
     # XLA records the command buffer over its first executions (while the donated buffers'
-    # addresses settle), then replays it: the handlers' host code never runs again.
+    # addresses settle: 5 calls on the H200 with one call in flight), then replays it: the
+    # handlers' host code never runs again.
     warm = calls.index(0)
-    assert warm <= 4 and not any(calls[warm:]), calls
+    assert warm <= 8 and not any(calls[warm:]), calls
     # ... and at least one growth event happened while it was replaying.
     assert any(d["token_index"] > warm + 1 for d in s["decisions"]), (warm, s["decisions"])
 
