@@ -208,6 +208,7 @@ def main() -> None:
     for name in args.models.split(","):
         config = jm.preset(name)
         model = jm.random_model(config, seed=0, dtype=jnp.bfloat16)
+        model.fuse_projections()  # as the Generator does: every implementation gets the same
         for B in (int(b) for b in args.batch.split(",")):
             prompts = (
                 np.random.default_rng(0)

@@ -73,7 +73,7 @@ def summarize(xplane: str, tokens: int) -> dict:
         device_events_per_token=len(device) / tokens,
         device_busy_us_per_token=_busy_ns(device) / tokens / 1e3,
         device_span_us_per_token=span / tokens / 1e3,
-        top_kernels_us_per_token={k: v / tokens / 1e3 for k, v in kernels.most_common(12)},
+        top_kernels_us_per_token={k: v / tokens / 1e3 for k, v in kernels.most_common(40)},
         top_host_us_per_token={
             k: [round(v / tokens / 1e3, 2), host_n[k] / tokens] for k, v in host.most_common(25)
         },
@@ -94,6 +94,7 @@ def child(args) -> dict:
 
     config = jm.preset(args.model)
     model = jm.random_model(config, seed=0, dtype=jnp.bfloat16)
+    model.fuse_projections()  # as the Generator does; the plain loop gets the same params
     prompts = (
         np.random.default_rng(0)
         .integers(3, config.vocab_size, (args.batch, args.prompt))

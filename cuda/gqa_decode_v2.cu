@@ -179,14 +179,20 @@ struct SplitPlan {
   int lo, n, chunk, active;
 };
 
-// Chunks are whole CTA tiles (kCtaRows rows), at least one; the combine recomputes nothing
-// else, so the splits and the last CTA always agree.
+// A split covers at least this many CTA tiles (256 rows at bf16 D=128). Measured at
+// (B=1, live 4096): one-tile splits made 65 CTAs per KV head whose fixed costs (q load,
+// pipeline fill, partial store, a 65-way merge) outweighed their 64 rows each: 23.9 us
+// against kernel 1's 15.6.
+constexpr int kMinChunkTiles = 8;
+
+// Chunks are whole CTA tiles (kCtaRows rows), at least kMinChunkTiles; the combine recomputes
+// nothing else, so the splits and the last CTA always agree.
 __device__ __forceinline__ SplitPlan PlanSplits(int L, int window, int num_splits, int cta_rows) {
   SplitPlan s;
   s.lo = window > 0 ? max(0, L + 1 - window) : 0;
   s.n = L + 1 - s.lo;
   const int chunk = (s.n + num_splits - 1) / num_splits;
-  s.chunk = max(cta_rows, (chunk + cta_rows - 1) / cta_rows * cta_rows);
+  s.chunk = max(kMinChunkTiles * cta_rows, (chunk + cta_rows - 1) / cta_rows * cta_rows);
   s.active = (s.n + s.chunk - 1) / s.chunk;
   return s;
 }
@@ -498,9 +504,11 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<GROUP>())
     }
   }
   __syncthreads();
+  // A lone active split is the whole answer: it writes the output rows, no partials, no merge.
+  const int store_splits = plan.active == 1 ? 1 : num_splits;
   StoreDecodeSplit<T, HEAD_DIM, GROUP, kWarps, kThreads>(p, sm_m, sm_l, sm_acc, b, qh0, ng, split,
-                                                         num_splits, out_rows);
-  if (num_splits == 1) return;
+                                                         store_splits, out_rows);
+  if (store_splits == 1) return;
   const int64_t bh0 = static_cast<int64_t>(b) * p.num_q_heads + qh0;
   const int64_t ml_base = static_cast<int64_t>(p.batch) * p.num_q_heads * num_splits * HEAD_DIM;
 
@@ -532,15 +540,30 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<GROUP>())
     if (lane == 0) inv_s[g] = 1.0f / lsum;
   }
   __syncthreads();
-  for (int i = tid; i < ng * HEAD_DIM; i += kThreads) {
-    const int g = i / HEAD_DIM, d = i % HEAD_DIM;
-    const float* a = p.workspace + (bh0 + g) * num_splits * HEAD_DIM + d;
-    float sum = 0.0f;
-#pragma unroll 8
+  // 16-byte partial reads, 16 splits in flight per thread: the merge is a chain of dependent
+  // L2 round trips otherwise (one per split per thread).
+  constexpr int kD4 = HEAD_DIM / 4;
+  for (int i = tid; i < ng * kD4; i += kThreads) {
+    const int g = i / kD4, d4 = i % kD4;
+    const float4* a =
+        reinterpret_cast<const float4*>(p.workspace + (bh0 + g) * num_splits * HEAD_DIM) + d4;
+    const float* wg = weight + g * kMaxSplits;
+    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 16
     for (int s = 0; s < plan.active; ++s) {
-      sum = fmaf(__ldcg(a + static_cast<int64_t>(s) * HEAD_DIM), weight[g * kMaxSplits + s], sum);
+      const float4 x = __ldcg(a + static_cast<int64_t>(s) * kD4);
+      const float w = wg[s];
+      sum.x = fmaf(x.x, w, sum.x);
+      sum.y = fmaf(x.y, w, sum.y);
+      sum.z = fmaf(x.z, w, sum.z);
+      sum.w = fmaf(x.w, w, sum.w);
     }
-    out_rows[i] = from_f32<T>(sum * inv_s[g]);
+    const float inv = inv_s[g];
+    T* o = out_rows + g * HEAD_DIM + d4 * 4;
+    o[0] = from_f32<T>(sum.x * inv);
+    o[1] = from_f32<T>(sum.y * inv);
+    o[2] = from_f32<T>(sum.z * inv);
+    o[3] = from_f32<T>(sum.w * inv);
   }
   if (tid == 0) *counter = 0u;  // tidy; the launcher zeroes the counters before every launch
 }
@@ -566,7 +589,8 @@ template <typename T, int HEAD_DIM, int GROUP>
 GqaDecodePlan PlanFor(int64_t ctas) {
   using Sh = ShapeV2<T, HEAD_DIM>;
   const int ctas_per_sm = CtasPerSm(SmemBytes<T, HEAD_DIM, GROUP>(), MinBlocks<GROUP>());
-  return GqaDecodePlan{SplitsForCtas(ctas, ctas_per_sm), Sh::kCtaRows, Sh::kCtaRows};
+  return GqaDecodePlan{SplitsForCtas(ctas, ctas_per_sm), Sh::kCtaRows,
+                       kMinChunkTiles * Sh::kCtaRows};
 }
 
 template <typename T, int HEAD_DIM>

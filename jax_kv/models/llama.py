@@ -18,6 +18,10 @@ Params pytree (weights in Hugging Face orientation [out, in], so loading never t
      "norm": [H],
      "lm_head": [V, H]}                                           # untied only
 
+`fuse_projections` rewrites each layer to "wqkv" [(Hq+2Hkv)*D, H] (+ "bqkv") and "w_gate_up"
+[2I, H]: the same model in 3 fewer matmul kernels per layer (every kernel of a decode step also
+costs the host a CUDA-graph node launch). The functions here accept either form.
+
 Caches: a list with one (k_cache, v_cache) per layer, each [B, Hkv, S, D] (HEAD_MAJOR) or
 [B, S, Hkv, D] (SEQ_MAJOR), plus one int32 [B] `lengths` shared by all layers. Layers are
 unrolled in Python: DESIGN.md measured a lax.fori_loop over layers 20-40% slower.
@@ -126,16 +130,51 @@ def _qkv(
     """x [B, T, H] -> rotated q [B, T, Hq, D], rotated k and v [B, T, Hkv, D]."""
     B, T, _ = x.shape
     D = config.head_dim
-    q = _linear(x, p["wq"], p.get("bq")).reshape(B, T, config.num_q_heads, D)
-    k = _linear(x, p["wk"], p.get("bk")).reshape(B, T, config.num_kv_heads, D)
-    v = _linear(x, p["wv"], p.get("bv")).reshape(B, T, config.num_kv_heads, D)
+    if "wqkv" in p:
+        nq, nkv = config.num_q_heads * D, config.num_kv_heads * D
+        q, k, v = jnp.split(_linear(x, p["wqkv"], p.get("bqkv")), [nq, nq + nkv], axis=-1)
+    else:
+        q, k, v = (
+            _linear(x, p[w], p.get(b)) for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))
+        )
+    q = q.reshape(B, T, config.num_q_heads, D)
+    k = k.reshape(B, T, config.num_kv_heads, D)
+    v = v.reshape(B, T, config.num_kv_heads, D)
     inv_freq = rope_inv_freq(config)
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
 def _mlp(p: Params, x: jax.Array) -> jax.Array:
     """SwiGLU: down(silu(gate(x)) * up(x))."""
-    return _linear(jax.nn.silu(_linear(x, p["w_gate"])) * _linear(x, p["w_up"]), p["w_down"])
+    if "w_gate_up" in p:
+        gate, up = jnp.split(_linear(x, p["w_gate_up"]), 2, axis=-1)
+    else:
+        gate, up = _linear(x, p["w_gate"]), _linear(x, p["w_up"])
+    return _linear(jax.nn.silu(gate) * up, p["w_down"])
+
+
+_FUSED = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up")}
+
+
+def fuse_projections(params: Params, *, delete_unfused: bool = False) -> Params:
+    """The same params with each layer's q/k/v (and their biases) and gate/up weights
+    concatenated along the output axis (module docstring). Layers already fused pass through.
+    delete_unfused frees each layer's separate weights as soon as its fused copy exists, so
+    the peak is one layer over the model's size."""
+    layers = []
+    for p in params["layers"]:
+        fused = {k: v for k, v in p.items() if not any(k in parts for parts in _FUSED.values())}
+        for name, parts in _FUSED.items():
+            if all(part in p for part in parts):
+                fused[name] = jnp.concatenate([p[part] for part in parts])
+        if delete_unfused:
+            jax.block_until_ready(fused)
+            for parts in _FUSED.values():
+                for part in parts:
+                    if part in p:
+                        p[part].delete()
+        layers.append(fused)
+    return params | {"layers": layers}
 
 
 def _logits(params: Params, config: ModelConfig, x: jax.Array) -> jax.Array:

@@ -82,6 +82,11 @@ class Model:
             self.params, self.config, [ids], max_new_tokens, layout=layout, stop_tokens=stop
         )[0]
 
+    def fuse_projections(self) -> None:
+        """Rewrites params in place to the fused form (llama.fuse_projections): same outputs,
+        3 fewer matmuls per layer. The separate weights are freed; idempotent."""
+        self.params = llama.fuse_projections(self.params, delete_unfused=True)
+
     def delete(self) -> None:
         """Frees the params' device memory now."""
         for leaf in jax.tree_util.tree_leaves(self.params):

@@ -3,6 +3,7 @@ ragged batches decode like single prompts, both layouts agree."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -60,3 +61,38 @@ def test_stop_tokens_end_a_row():
     first = free.index(stop)
     got = llama.generate_greedy(model.params, model.config, [[5, 6, 7]], 8, stop_tokens=[stop])
     assert got == [free[: first + 1]]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+def test_fused_projections_compute_the_same_model(name):
+    """One q/k/v and one gate/up matmul per layer: the logits of prefill and of a decode step
+    match the separate weights' (float32), the fused layer has no separate weights left, the
+    separate arrays are freed, and fusing twice changes nothing."""
+    model = jm.random_model(name, seed=3)
+    fused = jm.random_model(name, seed=3)
+    old = fused.params["layers"][0]["wq"]
+    fused.fuse_projections()
+    layer = fused.params["layers"][0]
+    assert "wqkv" in layer and "w_gate_up" in layer and "wq" not in layer and "w_up" not in layer
+    assert ("bqkv" in layer) == model.config.qkv_bias
+    assert old.is_deleted()
+    before = jax.tree_util.tree_leaves(fused.params)
+    fused.fuse_projections()
+    assert all(a is b for a, b in zip(before, jax.tree_util.tree_leaves(fused.params), strict=True))
+
+    def run(m):
+        caches = llama.init_caches(m.config, 2, 32, layout=Layout.SEQ_MAJOR)
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 9)), jnp.int32)
+        lengths = jnp.zeros((2,), jnp.int32)
+        first, caches = llama.prefill_jit(
+            m.params, m.config, tokens, None, caches, lengths, layout=Layout.SEQ_MAJOR
+        )
+        step, _ = llama.decode_step_jit(
+            m.params, m.config, tokens[:, 0], caches, lengths + 9, layout=Layout.SEQ_MAJOR
+        )
+        return np.asarray(first), np.asarray(step)
+
+    for want, got in zip(run(model), run(fused), strict=True):
+        scale = np.abs(want).max()
+        assert np.isfinite(got).all() and scale > 1.0
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * scale)
