@@ -155,6 +155,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--impls", default="jax_kv-seq,plain-jax")
     ap.add_argument("--variants", default="default,cmdbuf-min1,cmdbuf-off")
+    ap.add_argument("--runs", help="variant:impl pairs, instead of variants x impls")
     ap.add_argument("--impl", help=argparse.SUPPRESS)  # child mode
     args = ap.parse_args()
     if args.impl:
@@ -162,11 +163,18 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for variant in args.variants.split(","):
+    if args.runs:
+        pairs = [tuple(r.split(":")) for r in args.runs.split(",")]
+    else:
+        pairs = [(v, i) for v in args.variants.split(",") for i in args.impls.split(",")]
+    plan: dict[str, list[str]] = {}
+    for variant, impl in pairs:
+        plan.setdefault(variant, []).append(impl)
+    for variant, impls in plan.items():
         dump = args.out / f"hlo-{variant}"
-        for impl in args.impls.split(","):
+        for impl in impls:
             flags = VARIANTS[variant]
-            if impl == args.impls.split(",")[0]:
+            if impl == impls[0]:
                 flags += f" --xla_dump_to={dump}"
             env = dict(os.environ, XLA_FLAGS=flags.strip())
             cmd = [sys.executable, __file__, "--out", str(args.out), "--impl", impl]
