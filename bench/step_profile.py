@@ -20,6 +20,7 @@ import glob
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -203,6 +204,12 @@ def main() -> None:
                 custom_calls=text.count("custom-call("),
             )
         print(f"HLO {variant}: {json.dumps(counts, indent=1)}")
+        # Keep the largest decode-step module (the one-token step) at the top of --out and
+        # drop the rest of the dump (hundreds of files).
+        if files:
+            biggest = max(files, key=lambda f: pathlib.Path(f).stat().st_size)
+            shutil.copy(biggest, args.out / f"hlo-{variant}.txt")
+        shutil.rmtree(dump, ignore_errors=True)
         rows.append(dict(variant=variant, hlo=counts))
     (args.out / "step_profile.json").write_text(json.dumps(rows, indent=2))
     print(f"\n{args.model} B={args.batch}, {args.tokens} tokens, bf16 random weights")

@@ -2,6 +2,7 @@
 # One device call: build the CUDA module, run the GPU tests, run the benchmarks. Logs go to
 # $OUT (or ./device-out). Each stage has its own time limit so the whole fits one call.
 #   bash scripts/device_run.sh [stages...]   stages: build ops ops-off gen cache attn generate profile san
+# GEN_MODELS, GEN_BATCH, GEN_TOKENS, GEN_IMPLS, GEN_TIMEOUT set bench/generate.py's run.
 # ATTN_ARGS passes options to bench/attention.py (e.g. "--decode-kernel both"), ATTN_TIMEOUT
 # its time limit in seconds (200); PROF_ARGS / PROF_TIMEOUT the same for bench/step_profile.py.
 set -uo pipefail
@@ -49,7 +50,7 @@ for s in $STAGES; do
       stage "bench/generate.py"
       timeout ${GEN_TIMEOUT:-150} python3 bench/generate.py --out "$OUT" \
         --models ${GEN_MODELS:-smollm2-135m,qwen2.5-0.5b} --batch ${GEN_BATCH:-1,32} \
-        --new-tokens ${GEN_TOKENS:-256} 2>&1 | grep -v -E "^\s*$|WARNING" \
+        --new-tokens ${GEN_TOKENS:-256} ${GEN_IMPLS:+--impls $GEN_IMPLS} 2>&1 | grep -v -E "^\s*$|WARNING" \
         | tee "$OUT/generate.log" | tail -30 ;;
     profile)
       stage "bench/step_profile.py"
