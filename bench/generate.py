@@ -12,6 +12,7 @@ Prints the tables last; writes DIR/generate.json and DIR/generate.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import pathlib
@@ -31,7 +32,7 @@ from jax_kv.layout import Layout
 from jax_kv.models import llama
 from jax_kv.ops.xla_attention import xla_gqa_decode, xla_gqa_prefill
 
-# "@k": k decode steps per jitted call (Generator(tokens_per_call=k)).
+# "@k": k decode steps per jitted call (Generator(tokens_per_call=k)); "+k2": CUDA decode kernel 2.
 IMPLS = ("jax_kv-seq", "jax_kv-head", "jax_kv-seq@8", "plain-jax", "transformers")
 MODELS = ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3-8b")
 
@@ -58,6 +59,24 @@ def run_generator(
         compile_s=s.compile_seconds,
         arena=s.arena,
     )
+
+
+@contextlib.contextmanager
+def decode_kernel(kernel: int | None):
+    """Selects CUDA decode kernel `kernel` (1 or 2) for the steps compiled inside; None keeps
+    the configured one."""
+    from jax_kv import _ffi
+
+    cuda = _ffi.cuda_module() if kernel is not None else None
+    if cuda is None:
+        yield
+        return
+    before = cuda.decode_kernel()
+    cuda.set_decode_kernel(kernel)
+    try:
+        yield
+    finally:
+        cuda.set_decode_kernel(before)
 
 
 def plain_jax_loop(model, prompts: np.ndarray, static_len: int):
@@ -219,12 +238,14 @@ def main() -> None:
             for impl in impls:
                 t0 = time.perf_counter()
                 try:
-                    if impl.startswith("jax_kv-"):  # jax_kv-seq, jax_kv-head, jax_kv-seq@8
-                        kind, _, k = impl.removeprefix("jax_kv-").partition("@")
+                    if impl.startswith("jax_kv-"):  # jax_kv-seq, jax_kv-head, jax_kv-seq@8+k2
+                        spec, _, kernel = impl.removeprefix("jax_kv-").partition("+k")
+                        kind, _, k = spec.partition("@")
                         layout = Layout.SEQ_MAJOR if kind == "seq" else Layout.HEAD_MAJOR
-                        row[impl] = run_generator(
-                            model, prompts, args.new_tokens, layout, int(k or 1)
-                        )
+                        with decode_kernel(int(kernel) if kernel else None):
+                            row[impl] = run_generator(
+                                model, prompts, args.new_tokens, layout, int(k or 1)
+                            )
                     elif impl == "plain-jax":
                         row[impl] = run_plain_jax(model, prompts, args.new_tokens, args.static_len)
                     elif impl == "transformers":

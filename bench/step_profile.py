@@ -33,6 +33,7 @@ VARIANTS = {
     "cmdbuf-while": "--xla_gpu_graph_min_graph_size=1 --xla_gpu_enable_command_buffer="
     "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
 }
+# A variant name may end in "+k2": the same XLA flags with JAX_KV_DECODE_KERNEL=2.
 
 
 def _busy_ns(intervals: list[tuple[int, int]]) -> int:
@@ -174,10 +175,13 @@ def main() -> None:
     for variant, impls in plan.items():
         dump = args.out / f"hlo-{variant}"
         for impl in impls:
-            flags = VARIANTS[variant]
+            base, _, kernel = variant.partition("+k")
+            flags = VARIANTS[base]
             if impl == impls[0]:
                 flags += f" --xla_dump_to={dump}"
             env = dict(os.environ, XLA_FLAGS=flags.strip())
+            if kernel:
+                env["JAX_KV_DECODE_KERNEL"] = kernel
             cmd = [sys.executable, __file__, "--out", str(args.out), "--impl", impl]
             cmd += ["--model", args.model, "--batch", str(args.batch)]
             cmd += ["--prompt", str(args.prompt), "--tokens", str(args.tokens)]
