@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import functools
 import json
+import os
 import pathlib
 import platform
 import subprocess
@@ -260,9 +261,12 @@ def main() -> None:
         mem[name] = memory_rows(config, jnp.bfloat16)
         model.delete()
 
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = (
+        os.environ.get("JAX_KV_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
     dev = jax.devices()[0]
     meta = dict(
         device=getattr(dev, "device_kind", str(dev)),

@@ -5,6 +5,8 @@
 # GEN_MODELS, GEN_BATCH, GEN_TOKENS, GEN_IMPLS, GEN_TIMEOUT set bench/generate.py's run.
 # ATTN_ARGS passes options to bench/attention.py (e.g. "--decode-kernel both"), ATTN_TIMEOUT
 # its time limit in seconds (200); PROF_ARGS / PROF_TIMEOUT the same for bench/step_profile.py.
+# The device's copy of .git can be stale: pass JAX_KV_COMMIT=$(git rev-parse --short HEAD) from
+# the checkout so the benchmarks' JSON names the tree that ran.
 set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT"
@@ -64,3 +66,5 @@ for s in $STAGES; do
   esac
 done
 stage done
+# At most 8 files come back from a device call: everything else travels in one archive.
+tar czf /tmp/logs.tgz -C "$OUT" . 2>/dev/null && mv /tmp/logs.tgz "$OUT/logs.tgz"
