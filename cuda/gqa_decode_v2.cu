@@ -179,10 +179,11 @@ struct SplitPlan {
   int lo, n, chunk, active;
 };
 
-// A split covers at least this many CTA tiles (256 rows at bf16 D=128). Measured at
-// (B=1, live 4096): one-tile splits made 65 CTAs per KV head whose fixed costs (q load,
-// pipeline fill, partial store, a 65-way merge) outweighed their 64 rows each: 23.9 us
-// against kernel 1's 15.6.
+// A split covers at least this many CTA tiles (256 rows at bf16 D=128). Measured on the H200
+// at (B=1, live 4096, Hkv=8): 23.9 us with a one-tile floor (65 splits of 64 rows), 26.4 us
+// with this one (16 splits: 128 CTAs, under one 4-warp CTA per SM, so no warp's latency is
+// hidden); kernel 1 takes 15.6. Small rows are bound by occupancy, not by the split count
+// (bench/NOTES.md); the floor stays until the CTA shape changes, it costs the long rows nothing.
 constexpr int kMinChunkTiles = 8;
 
 // Chunks are whole CTA tiles (kCtaRows rows), at least kMinChunkTiles; the combine recomputes

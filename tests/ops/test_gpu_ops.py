@@ -136,6 +136,18 @@ def test_decode_softcap_and_scale(decode_kernel, rng, layout):
     check_decode(rng, layout, jnp.float16, 8, 2, 128, softcap=30.0, window=16)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
+def test_decode_many_splits(decode_kernel, rng, layout):
+    # S - 1 live tokens spread over every split the plan has (over 16: kernel 2 merges 16
+    # splits per round, so this takes its remainder path too).
+    B, Hq, Hkv, D = 3, 32, 8, 128  # lengths 0, 1 and S - 1 (decode_lengths)
+    splits, multiple, min_chunk = cuda_module().decode_plan(B, Hq, Hkv, D, 2)
+    if splits <= 16:
+        pytest.skip(f"this GPU plans {splits} splits at B={B}")
+    S = splits * max(min_chunk, multiple) + 1
+    check_decode(rng, layout, jnp.bfloat16, Hq, Hkv, D, S=S, B=B)
+
+
 def test_decode_large_capacity_few_live(decode_kernel, rng):
     # 131072 slots, 1024 live: the grid follows lengths, never S.
     B, Hq, Hkv, D, S = 1, 32, 8, 128, 131072
