@@ -126,8 +126,7 @@ class Generator:
         arena: a VmmArena or EagerArena (default: VMM on CUDA, eager elsewhere).
         tokens_per_call: decode steps per jitted call when no growth can happen inside it.
         fuse_projections: rewrite the model's params in place to one q/k/v and one gate/up
-            matmul per layer (Model.fuse_projections: same outputs, 3 fewer kernels per layer,
-            each of which also costs the host a CUDA-graph node launch per step).
+            matmul per layer (Model.fuse_projections: same outputs, fewer and larger kernels).
     """
 
     def __init__(

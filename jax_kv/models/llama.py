@@ -19,8 +19,9 @@ Params pytree (weights in Hugging Face orientation [out, in], so loading never t
      "lm_head": [V, H]}                                           # untied only
 
 `fuse_projections` rewrites each layer to "wqkv" [(Hq+2Hkv)*D, H] (+ "bqkv") and "w_gate_up"
-[2I, H]: the same model in 3 fewer matmul kernels per layer (every kernel of a decode step also
-costs the host a CUDA-graph node launch). The functions here accept either form.
+[2I, H]: the same model with 2 matmuls where there were 5. Measured on an H200 (Qwen2.5-0.5B
+shape, B=1): 1 kernel fewer per layer (XLA had merged some sibling projections already) and
+11% less device time per token. The functions here accept either form.
 
 Caches: a list with one (k_cache, v_cache) per layer, each [B, Hkv, S, D] (HEAD_MAJOR) or
 [B, S, Hkv, D] (SEQ_MAJOR), plus one int32 [B] `lengths` shared by all layers. Layers are
