@@ -339,7 +339,7 @@ class Generator:
 
         out: list[list[int]] = [[] for _ in range(B)]
         done = [False] * B
-        self._record(first[None], out, done, stop, on_tokens)
+        self._record(first[None], out, done, stop, on_tokens, max_new)
         generated = 1
         overheads = []
         host_calls = [] if _host_calls() is not None else None
@@ -353,13 +353,20 @@ class Generator:
             nonlocal pending
             t0 = time.perf_counter()
             if pending is not None:
-                self._record(np.asarray(pending), out, done, stop, on_tokens)
+                self._record(np.asarray(pending), out, done, stop, on_tokens, max_new)
                 pending = None
             return time.perf_counter() - t0
 
         t_decode, compile0 = time.perf_counter(), stats.compile_seconds
         while generated < max_new and not all(done):
-            n = self.tokens_per_call if max_new - generated >= self.tokens_per_call else 1
+            remaining = max_new - generated
+            n = self.tokens_per_call
+            # A last call longer than needed reuses the compiled step (its extra tokens are
+            # dropped) instead of compiling a one-token step for the tail; only a cache whose
+            # hard max cannot take the overshoot falls back to one token per call.
+            if n > remaining and cache.max_len is not None:
+                if int(cache.lengths.max()) + n > cache.max_len:
+                    n = 1
             t_iter = time.perf_counter()
             waited = 0.0
             need = int(cache.lengths.max()) + n
@@ -383,11 +390,11 @@ class Generator:
             self._accept(cache, caches, n, verify=compiled or grew)
             generated += n
             stats.decode_calls += 1
-            stats.decode_tokens += n * B
+            stats.decode_tokens += min(n, remaining) * B
             previous, pending = pending, new
             if previous is not None:
                 t0 = time.perf_counter()
-                self._record(np.asarray(previous), out, done, stop, on_tokens)
+                self._record(np.asarray(previous), out, done, stop, on_tokens, max_new)
                 waited += time.perf_counter() - t0
             if not compiled:
                 total = time.perf_counter() - t_iter - waited
@@ -398,8 +405,6 @@ class Generator:
             total, dispatch = np.median(np.asarray(overheads), axis=0) * 1e6
             stats.host_overhead_us, stats.dispatch_us = float(total), float(dispatch)
         stats.host_calls_per_step = host_calls
-        for b in range(B):
-            del out[b][max_new:]
         texts = None
         if getattr(self.model, "tokenizer", None) is not None:
             texts = [self.model.decode(t) for t in out]
@@ -413,11 +418,13 @@ class Generator:
         cache.advance(n)
 
     @staticmethod
-    def _record(new: np.ndarray, out, done, stop, on_tokens) -> None:
+    def _record(new: np.ndarray, out, done, stop, on_tokens, max_new: int) -> None:
         for row in new:  # [B] per generated position
+            if all(len(o) >= max_new for o in out):
+                return  # the overshoot of a last multi-token call
             emitted: list[int | None] = []
             for b, t in enumerate(row.tolist()):
-                if done[b]:
+                if done[b] or len(out[b]) >= max_new:
                     emitted.append(None)
                     continue
                 out[b].append(t)

@@ -30,9 +30,23 @@ def test_matches_the_reference_loop(model):
 def test_tokens_per_call(model, k):
     """k decode steps inside one jitted call (lax.scan), growth only between calls."""
     one = Generator(model, min_bucket=8).generate(PROMPTS, 21, stop_tokens=())
-    many = Generator(model, min_bucket=8, tokens_per_call=k).generate(PROMPTS, 21, stop_tokens=())
+    seen = []
+    many = Generator(model, min_bucket=8, tokens_per_call=k).generate(
+        PROMPTS, 21, stop_tokens=(), on_tokens=seen.append
+    )
     assert many.tokens == one.tokens
     assert many.stats.decode_calls < one.stats.decode_calls
+    # 20 decode tokens are not a multiple of k: the last call runs k steps anyway (no second
+    # compiled step for the tail: as many compiles as a run with no tail), and its extra
+    # tokens are neither counted nor streamed.
+    s = many.stats
+    whole = 1 + k * -(-20 // k)
+    no_tail = Generator(model, min_bucket=8, tokens_per_call=k).generate(
+        PROMPTS, whole, stop_tokens=()
+    )
+    assert s.captures == no_tail.stats.captures and s.decode_calls == -(-20 // k)
+    assert s.decode_tokens == 20 * len(PROMPTS)
+    assert len(seen) == 21 and all(len(row) == 21 for row in many.tokens)
 
 
 def test_stop_tokens_end_rows(model):
