@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from inputs import append_step, live_prefix
 
 from jax_kv import Layout, gqa_decode
 from jax_kv.cache import (
@@ -23,32 +24,6 @@ from jax_kv.memory import ArenaExhausted, EagerArena, host_arena
 L, B, Hkv, D = 2, 2, 2, 64
 G = 64 << 10
 LAYOUTS = [Layout.SEQ_MAJOR, Layout.HEAD_MAJOR]
-
-
-def append_step(layout):
-    """Writes the new token's K and V at position `pos` of every sequence, in place."""
-
-    def step(ks, vs, k_new, v_new, pos):  # k_new: [L, B, Hkv, D]
-        def put(cache, x):
-            if layout == Layout.SEQ_MAJOR:
-                return jax.lax.dynamic_update_slice(cache, x[:, None], (0, pos, 0, 0))
-            return jax.lax.dynamic_update_slice(cache, x[:, :, None], (0, 0, pos, 0))
-
-        return [put(c, x) for c, x in zip(ks, k_new, strict=True)], [
-            put(c, x) for c, x in zip(vs, v_new, strict=True)
-        ]
-
-    return jax.jit(step, donate_argnums=(0, 1))
-
-
-def live(cache, arrays):
-    """[L, B, S_live, Hkv, D] float64 of the live prefix (lengths equal across b)."""
-    n = int(cache.lengths[0])
-    out = []
-    for a in arrays:
-        x = np.asarray(a[:, :n] if cache.layout == Layout.SEQ_MAJOR else a[:, :, :n])
-        out.append(x if cache.layout == Layout.SEQ_MAJOR else x.transpose(0, 2, 1, 3))
-    return np.stack(out).astype(np.float64)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
@@ -73,7 +48,7 @@ def test_eager_growth_keeps_data_across_three_growths(layout, rng):
             assert event.shape_changed and event.pointer_changed
             assert not event.keeps_compiled_step
             assert event.bytes_moved == cache.live_bytes == 2 * L * B * t * Hkv * D * 4
-            np.testing.assert_array_equal(live(cache, cache.k), np.stack(ref_k, 2))
+            np.testing.assert_array_equal(live_prefix(cache, cache.k), np.stack(ref_k, 2))
         else:
             assert event.reason == REASON_NONE
         kn = rng.standard_normal((L, B, Hkv, D)).astype(np.float32)
@@ -86,8 +61,8 @@ def test_eager_growth_keeps_data_across_three_growths(layout, rng):
         ref_k.append(kn)
         ref_v.append(vn)
     assert [(e.old_capacity, e.new_capacity) for e in events] == [(8, 16), (16, 32), (32, 64)]
-    np.testing.assert_array_equal(live(cache, cache.k), np.stack(ref_k, 2))
-    np.testing.assert_array_equal(live(cache, cache.v), np.stack(ref_v, 2))
+    np.testing.assert_array_equal(live_prefix(cache, cache.k), np.stack(ref_k, 2))
+    np.testing.assert_array_equal(live_prefix(cache, cache.v), np.stack(ref_v, 2))
     tail = np.asarray(cache.k[0])[:, 40:] if layout == Layout.SEQ_MAJOR else None
     if tail is not None:
         assert not tail.any()  # grow_cache zeros past the live prefix
@@ -126,7 +101,7 @@ def test_eager_cache_runs_gqa_decode_across_growth(layout, rng):
         )
         cache.accept([kc], [vc])
         cache.advance(1)
-    np.testing.assert_array_equal(live(cache, cache.k)[0], np.stack(ks, 1))
+    np.testing.assert_array_equal(live_prefix(cache, cache.k)[0], np.stack(ks, 1))
     assert cache.capacity == 16 and cache.growth_events == 2
 
 
@@ -149,7 +124,7 @@ def test_eager_failure_leaves_cache_usable_with_data_intact(rng):
         kn = jnp.asarray(rng.standard_normal((L, B, Hkv, D)).astype(np.float32))
         cache.accept(*step(cache.k, cache.v, kn, kn, jnp.int32(t)))
         cache.advance(1)
-    before = live(cache, cache.k)
+    before = live_prefix(cache, cache.k)
     arena.limit_bytes = arena.committed_bytes + 100  # room for nothing
     with pytest.raises(ArenaExhausted) as e:
         cache.ensure_capacity(9)
@@ -158,10 +133,10 @@ def test_eager_failure_leaves_cache_usable_with_data_intact(rng):
     with pytest.raises(CapacityError, match="exceeds the hard max of 64 tokens"):
         cache.ensure_capacity(65)
     assert cache.capacity == 8 and cache.shape == (B, Hkv, 8, D)
-    np.testing.assert_array_equal(live(cache, cache.k), before)
+    np.testing.assert_array_equal(live_prefix(cache, cache.k), before)
     arena.limit_bytes = None  # memory back: the same cache grows and keeps its data
     assert cache.ensure_capacity(9).new_capacity == 16
-    np.testing.assert_array_equal(live(cache, cache.k), before)
+    np.testing.assert_array_equal(live_prefix(cache, cache.k), before)
 
 
 def test_metadata_capacity_and_unbounded_eager():

@@ -6,10 +6,10 @@ equal to the live bytes at each growth, (d) device free memory restored after te
 
 import gc
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from inputs import append_step, live_prefix
 
 from jax_kv import Layout
 from jax_kv.cache import REASON_HEAD_VMM, REASON_SEQ_VMM, KvCache
@@ -18,28 +18,6 @@ pytestmark = pytest.mark.gpu
 
 L, B, Hkv, D = 2, 2, 8, 128
 DTYPE = jnp.bfloat16
-
-
-def append_step(layout):
-    def step(ks, vs, k_new, v_new, pos):  # k_new: [L, B, Hkv, D]
-        def put(cache, x):
-            if layout == Layout.SEQ_MAJOR:
-                return jax.lax.dynamic_update_slice(cache, x[:, None], (0, pos, 0, 0))
-            return jax.lax.dynamic_update_slice(cache, x[:, :, None], (0, 0, pos, 0))
-
-        return [put(c, x) for c, x in zip(ks, k_new, strict=True)], [
-            put(c, x) for c, x in zip(vs, v_new, strict=True)
-        ]
-
-    return jax.jit(step, donate_argnums=(0, 1))
-
-
-def live(cache, arrays, n):
-    out = []
-    for a in arrays:  # slice on the device: never touch the uncommitted tail
-        x = a[:, :n] if cache.layout == Layout.SEQ_MAJOR else a[:, :, :n].transpose(0, 2, 1, 3)
-        out.append(np.asarray(x.astype(jnp.float32)))
-    return np.stack(out)
 
 
 def free_memory():
@@ -91,7 +69,7 @@ def test_growth_keeps_data_and_geometry(arena, layout, rng):
                 assert e.reason == REASON_HEAD_VMM and e.shape_changed and not e.pointer_changed
                 assert e.bytes_moved == 2 * L * B * t * tok == cache.live_bytes
             if t:  # (a) at every growth
-                np.testing.assert_array_equal(live(cache, cache.k, t), np.stack(ref_k, 2))
+                np.testing.assert_array_equal(live_prefix(cache, cache.k, t), np.stack(ref_k, 2))
         if layout == Layout.SEQ_MAJOR:
             bound = 2 * L * B * ((t + 1) * tok + g + bucket * tok)
             assert cache.committed_bytes <= bound
@@ -105,8 +83,8 @@ def test_growth_keeps_data_and_geometry(arena, layout, rng):
         ref_k.append(np.asarray(jnp.asarray(kn, DTYPE).astype(jnp.float32)))
         ref_v.append(np.asarray(jnp.asarray(vn, DTYPE).astype(jnp.float32)))
     assert len(events) >= 3
-    np.testing.assert_array_equal(live(cache, cache.k, T), np.stack(ref_k, 2))
-    np.testing.assert_array_equal(live(cache, cache.v, T), np.stack(ref_v, 2))
+    np.testing.assert_array_equal(live_prefix(cache, cache.k, T), np.stack(ref_k, 2))
+    np.testing.assert_array_equal(live_prefix(cache, cache.v, T), np.stack(ref_v, 2))
     print(
         f"{layout.name}: "
         + "; ".join(
@@ -139,15 +117,15 @@ def test_refused_commit_leaves_cache_intact(rng):
             kn = jnp.asarray(rng.standard_normal((L, B, Hkv, D)), DTYPE)
             cache.accept(*step(cache.k, cache.v, kn, kn, jnp.int32(t)))
             cache.advance(1)
-        before = live(cache, cache.k, 256)
+        before = live_prefix(cache, cache.k, 256)
         arena.limit_bytes = arena.committed_bytes  # nothing more
         with pytest.raises(ArenaExhausted, match="requested .* committed .* available"):
             cache.ensure_capacity(257)
         assert cache.capacity == 256
-        np.testing.assert_array_equal(live(cache, cache.k, 256), before)
+        np.testing.assert_array_equal(live_prefix(cache, cache.k, 256), before)
         arena.limit_bytes = None
         assert cache.ensure_capacity(257).new_capacity == 512
-        np.testing.assert_array_equal(live(cache, cache.k, 256), before)
+        np.testing.assert_array_equal(live_prefix(cache, cache.k, 256), before)
         cache.close()
 
 
