@@ -154,23 +154,6 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=151643,
         eos_token_ids=(151645, 151643),
     ),
-    "qwen2.5-1.5b": ModelConfig(
-        "qwen2",
-        vocab_size=151936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_layers=28,
-        num_q_heads=12,
-        num_kv_heads=2,
-        head_dim=128,
-        rms_norm_eps=1e-6,
-        rope_theta=1e6,
-        max_position_embeddings=32768,
-        tie_word_embeddings=True,
-        qkv_bias=True,
-        bos_token_id=151643,
-        eos_token_ids=(151645, 151643),
-    ),
     "llama-3-8b": ModelConfig(
         "llama",
         vocab_size=128256,
@@ -185,22 +168,6 @@ PRESETS: dict[str, ModelConfig] = {
         max_position_embeddings=8192,
         bos_token_id=128000,
         eos_token_ids=(128001, 128009),
-    ),
-    "llama-3.1-8b": ModelConfig(
-        "llama",
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_q_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=_LLAMA31_ROPE,
-        max_position_embeddings=131072,
-        bos_token_id=128000,
-        eos_token_ids=(128001, 128008, 128009),
     ),
     # Seconds-fast shapes for tests; head_dim 64 is one the ops support.
     "tiny-llama": ModelConfig(
@@ -232,6 +199,15 @@ PRESETS: dict[str, ModelConfig] = {
         qkv_bias=True,
     ),
 }
+# Siblings: the same family with the sizes (or the RoPE) that differ.
+PRESETS["qwen2.5-1.5b"] = PRESETS["qwen2.5-0.5b"].replace(
+    hidden_size=1536, intermediate_size=8960, num_layers=28, num_q_heads=12, head_dim=128
+)
+PRESETS["llama-3.1-8b"] = PRESETS["llama-3-8b"].replace(
+    rope_scaling=_LLAMA31_ROPE,
+    max_position_embeddings=131072,
+    eos_token_ids=(128001, 128008, 128009),
+)
 
 
 def preset(name: str) -> ModelConfig:
