@@ -26,18 +26,23 @@ G = 64 << 10
 LAYOUTS = [Layout.SEQ_MAJOR, Layout.HEAD_MAJOR]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
-def test_eager_growth_keeps_data_across_three_growths(layout, rng):
-    cache = KvCache(
-        num_layers=L,
-        batch=B,
+def make_cache(layout, arena, *, num_layers=L, batch=B, **kw) -> KvCache:
+    """A float32 KvCache of this module's shape (L layers, B sequences, Hkv heads of D)."""
+    return KvCache(
+        num_layers=num_layers,
+        batch=batch,
         num_kv_heads=Hkv,
         head_dim=D,
         dtype=jnp.float32,
         layout=layout,
-        arena=EagerArena(),
-        min_bucket=8,
+        arena=arena,
+        **kw,
     )
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
+def test_eager_growth_keeps_data_across_three_growths(layout, rng):
+    cache = make_cache(layout, EagerArena(), min_bucket=8)
     step = append_step(layout)
     ref_k, ref_v, events = [], [], []
     for t in range(40):
@@ -74,16 +79,7 @@ def test_eager_growth_keeps_data_across_three_growths(layout, rng):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
 def test_eager_cache_runs_gqa_decode_across_growth(layout, rng):
     Hq = 4
-    cache = KvCache(
-        num_layers=1,
-        batch=B,
-        num_kv_heads=Hkv,
-        head_dim=D,
-        dtype=jnp.float32,
-        layout=layout,
-        arena=EagerArena(),
-        min_bucket=4,
-    )
+    cache = make_cache(layout, EagerArena(), num_layers=1, min_bucket=4)
 
     @jax.jit
     def decode(q, k, v, kc, vc, lengths):
@@ -108,17 +104,7 @@ def test_eager_cache_runs_gqa_decode_across_growth(layout, rng):
 def test_eager_failure_leaves_cache_usable_with_data_intact(rng):
     layout = Layout.HEAD_MAJOR
     arena = EagerArena()
-    cache = KvCache(
-        num_layers=L,
-        batch=B,
-        num_kv_heads=Hkv,
-        head_dim=D,
-        dtype=jnp.float32,
-        layout=layout,
-        arena=arena,
-        min_bucket=8,
-        max_len=64,
-    )
+    cache = make_cache(layout, arena, min_bucket=8, max_len=64)
     step = append_step(layout)
     for t in range(8):
         kn = jnp.asarray(rng.standard_normal((L, B, Hkv, D)).astype(np.float32))
@@ -194,17 +180,7 @@ def host_live(cache):
 def test_host_vmm_seq_major_commits_in_place(rng):
     arena = host_arena(reserve_bytes=256 << 20, granule=G)
     max_len = 4096
-    cache = KvCache(
-        num_layers=L,
-        batch=B,
-        num_kv_heads=Hkv,
-        head_dim=D,
-        dtype=jnp.float32,
-        layout=Layout.SEQ_MAJOR,
-        arena=arena,
-        max_len=max_len,
-        min_bucket=64,
-    )
+    cache = make_cache(Layout.SEQ_MAJOR, arena, max_len=max_len, min_bucket=64)
     shape, ptrs = cache.shape, cache.pointers()
     assert shape == (B, max_len, Hkv, D)
     tok = Hkv * D * 4
@@ -232,17 +208,7 @@ def test_host_vmm_seq_major_commits_in_place(rng):
 
 def test_host_vmm_head_major_restrides_in_place(rng):
     arena = host_arena(reserve_bytes=256 << 20, granule=G)
-    cache = KvCache(
-        num_layers=L,
-        batch=B,
-        num_kv_heads=Hkv,
-        head_dim=D,
-        dtype=jnp.float32,
-        layout=Layout.HEAD_MAJOR,
-        arena=arena,
-        max_len=1024,
-        min_bucket=16,
-    )
+    cache = make_cache(Layout.HEAD_MAJOR, arena, max_len=1024, min_bucket=16)
     ptrs = cache.pointers()
     events, prev = [], 16
     for n in (17, 40, 100, 300):
@@ -272,17 +238,7 @@ def test_host_vmm_head_major_restrides_in_place(rng):
 
 def test_host_vmm_refused_commit_leaves_cache_intact(rng):
     arena = host_arena(reserve_bytes=256 << 20, granule=G)
-    cache = KvCache(
-        num_layers=L,
-        batch=B,
-        num_kv_heads=Hkv,
-        head_dim=D,
-        dtype=jnp.float32,
-        layout=Layout.HEAD_MAJOR,
-        arena=arena,
-        max_len=4096,
-        min_bucket=64,
-    )
+    cache = make_cache(Layout.HEAD_MAJOR, arena, max_len=4096, min_bucket=64)
     host_fill(cache, rng)
     cache.lengths[:] = 60
     before = host_live(cache)
@@ -307,16 +263,7 @@ def test_host_vmm_refused_commit_leaves_cache_intact(rng):
 
 def test_host_vmm_unbounded_reservation_is_bounded():
     arena = host_arena(reserve_bytes=64 << 20, granule=G, limit_bytes=16 << 20)
-    cache = KvCache(
-        num_layers=1,
-        batch=1,
-        num_kv_heads=Hkv,
-        head_dim=D,
-        dtype=jnp.float32,
-        layout=Layout.SEQ_MAJOR,
-        arena=arena,
-        min_bucket=64,
-    )
+    cache = make_cache(Layout.SEQ_MAJOR, arena, num_layers=1, batch=1, min_bucket=64)
     tok = 2 * Hkv * D * 4  # K and V
     assert cache.plan.source == "unbounded"
     assert cache.max_len == (16 << 20) // tok  # device (limit) bound, below the arena's VA
