@@ -29,6 +29,7 @@ import numpy as np
 import jax_kv.models as jm
 from jax_kv.cache import KvCache
 from jax_kv.decode import Generator
+from jax_kv.decode.sampling import argmax_rows
 from jax_kv.layout import Layout
 from jax_kv.models import llama
 from jax_kv.ops.xla_attention import xla_gqa_decode, xla_gqa_prefill
@@ -81,8 +82,10 @@ def decode_kernel(kernel: int | None):
 
 
 def plain_jax_loop(model, prompts: np.ndarray, static_len: int):
-    """What a JAX user writes today: a cache at max_len, XLA attention over all of it.
-    -> (step, state): `state = step(*state)` decodes one token; state[0] is the tokens [B]."""
+    """What a JAX user writes today: a cache at max_len, XLA attention over all of it; the
+    model code and the greedy argmax are the Generator's, so only the cache and the attention
+    differ. -> (step, state): `state = step(*state)` decodes one token; state[0] is the tokens
+    [B]."""
     config, params = model.config, model.params
     layout = Layout.SEQ_MAJOR
     B, P = prompts.shape
@@ -99,13 +102,13 @@ def plain_jax_loop(model, prompts: np.ndarray, static_len: int):
         logits, caches = llama.decode_step(
             params, config, tokens, caches, lengths, layout=layout, attention=xla_gqa_decode
         )
-        return jnp.argmax(logits, -1).astype(jnp.int32), caches, lengths + 1
+        return argmax_rows(logits), caches, lengths + 1
 
     lengths = jnp.zeros((B,), jnp.int32)
     logits, caches = prefill(
         params, tokens=jnp.asarray(prompts), new_lengths=None, caches=caches, lengths=lengths
     )
-    tok = jnp.argmax(logits, -1).astype(jnp.int32)
+    tok = argmax_rows(logits)
     return functools.partial(step, params), (tok, caches, lengths + P)
 
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_kv.decode.sampling import Sampling, sample
+from jax_kv.decode.sampling import Sampling, argmax_rows, sample
 
 
 def test_greedy_is_argmax(rng):
@@ -14,6 +14,24 @@ def test_greedy_is_argmax(rng):
     np.testing.assert_array_equal(
         sample(logits, jax.random.key(0), Sampling()), np.argmax(np.asarray(logits), axis=-1)
     )
+
+
+@pytest.mark.parametrize("V", [1, 1023, 1024, 1025, 151936])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_argmax_rows_equals_argmax(rng, V, dtype):
+    # Rows: random; the maximum tied at two places (the first wins); a NaN after the maximum
+    # (argmax ranks NaN highest); all -inf (index 0); the maximum in the last, padded chunk.
+    x = rng.standard_normal((5, V)).astype(np.float32)
+    x[1, V // 3] = x[1, V - 1] = 9.0
+    x[2, V // 2] = 9.0
+    x[2, V - 1] = np.nan
+    x[3] = -np.inf
+    x[4, V - 1] = 9.0
+    logits = jnp.asarray(x, dtype)
+    want = np.argmax(np.asarray(logits.astype(jnp.float32)), axis=-1)
+    got = np.asarray(jax.jit(argmax_rows)(logits))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)
 
 
 def test_top_k_stays_in_the_top_k(rng):
