@@ -4,10 +4,12 @@ masked attention, device time inside one jitted lax.fori_loop, median of repeats
 bf16, Hq=32, Hkv=8, D=128, both cache layouts (the comparators read [B, S, Hkv, D] in both
 rows: cuDNN takes no other layout). Prints the tables and writes attention.json (GPU name, jax
 version, git commit) and attention.png (achieved live-KV GB/s per row) under --out.
---decode-kernel 1, 2 or both times CUDA decode kernel 1 (keys jax_kv_<LAYOUT>), kernel 2
-(jax_kv_k2_<LAYOUT>) or both in the same run, beside the same cuDNN and XLA measurements.
+--decode-kernel takes a comma list of CUDA decode kernels to time in the same run, beside the
+same cuDNN and XLA measurements: 1 (keys jax_kv_<LAYOUT>), 2 (kernel 2, CTA shape by its auto
+rule: jax_kv_k2_<LAYOUT>), 2-narrow and 2-wide (kernel 2 with that shape forced:
+jax_kv_k2-narrow_<LAYOUT>, ...); "both" is 1,2.
 
-    python bench/attention.py --out /tmp/bench --decode-kernel both
+    python bench/attention.py --out /tmp/bench --decode-kernel 1,2,2-narrow,2-wide
 """
 
 from __future__ import annotations
@@ -98,23 +100,29 @@ def xla_decode(q, k, v, n):
     return jnp.einsum("bhgs,bshd->bhgd", p, v).reshape(B, HQ, D)
 
 
-def decode_key(kernel: int, layout: Layout) -> str:
-    """Row key of jax_kv's time with CUDA decode kernel `kernel` (1 keeps the old key)."""
-    return f"jax_kv_{layout.name}" if kernel == 1 else f"jax_kv_k{kernel}_{layout.name}"
+KERNEL_SPECS = ("1", "2", "2-narrow", "2-wide")
 
 
-def select_decode_kernel(kernel: int) -> None:
-    """Makes the CUDA decode handler launch `kernel` from the next compiled step on."""
+def decode_key(kernel: str, layout: Layout) -> str:
+    """Row key of jax_kv's time with decode kernel spec `kernel` (1 keeps the old key)."""
+    return f"jax_kv_{layout.name}" if kernel == "1" else f"jax_kv_k{kernel}_{layout.name}"
+
+
+def select_decode_kernel(kernel: str) -> None:
+    """Makes the CUDA decode handler launch kernel spec `kernel` (KERNEL_SPECS) from the next
+    compiled step on."""
     from jax_kv import _ffi
 
     _ffi.register()
     cuda = _ffi.cuda_module()
     if cuda is None:
         raise RuntimeError("--decode-kernel needs the CUDA module (JAX_KV_CUDA=ON build)")
-    cuda.set_decode_kernel(kernel)
+    number, _, shape = kernel.partition("-")
+    cuda.set_decode_kernel(int(number))
+    cuda.set_decode_v2_ctas(shape or "auto")
 
 
-def bench_decode(B, S, live, iters, kernels=(1,)):
+def bench_decode(B, S, live, iters, kernels=("1",)):
     keys = jax.random.split(jax.random.key(B * 7 + S), 6)
     q = rand(keys[0], (B, HQ, D))
     k_new, v_new = rand(keys[1], (B, HKV, D)), rand(keys[2], (B, HKV, D))
@@ -237,13 +245,13 @@ def ratio(a, b):
     return None if a is None or b is None else b / a
 
 
-def print_decode(rows, kernels=(1,)):
+def print_decode(rows, kernels=("1",)):
     print(
         "\nDecode (bf16, Hq=32, Hkv=8, D=128): time in us, live-KV GB/s, x = cuDNN time / ours; "
         "k = CUDA decode kernel"
     )
     print(
-        f"{'B':>4} {'S':>7} {'live':>7} | {'layout':>10} {'k':>1} {'jax_kv':>8} {'GB/s':>8} | "
+        f"{'B':>4} {'S':>7} {'live':>7} | {'layout':>10} {'k':>8} {'jax_kv':>8} {'GB/s':>8} | "
         f"{'cuDNN':>8} {'GB/s':>8} | {'XLA':>8} {'GB/s':>8} | {'x cuDNN':>7} {'x XLA':>7}"
     )
     for r in rows:
@@ -251,7 +259,7 @@ def print_decode(rows, kernels=(1,)):
             key = decode_key(kernel, lay)
             ours = r.get(key)
             print(
-                f"{r['B']:>4} {r['S']:>7} {r['live']:>7} | {lay.name:>10} {kernel} "
+                f"{r['B']:>4} {r['S']:>7} {r['live']:>7} | {lay.name:>10} {kernel:>8} "
                 f"{fmt(ours, 1e6)} "
                 f"{fmt(r.get(f'gbps_{key}'), 1, '8.0f')} | {fmt(r['cudnn'], 1e6)} "
                 f"{fmt(r['gbps_cudnn'], 1, '8.0f')} | {fmt(r['xla'], 1e6)} "
@@ -288,13 +296,10 @@ def plot(decode, prefill, path):
 
     fig, axes = plt.subplots(1, 2, figsize=(15, 5), gridspec_kw={"width_ratios": [3, 1]})
     names = [
-        ("jax_kv_HEAD_MAJOR", "jax_kv head-major"),
-        ("jax_kv_SEQ_MAJOR", "jax_kv seq-major"),
-        ("jax_kv_k2_HEAD_MAJOR", "jax_kv head-major, kernel 2"),
-        ("jax_kv_k2_SEQ_MAJOR", "jax_kv seq-major, kernel 2"),
-        ("cudnn", "cuDNN"),
-        ("xla", "XLA masked"),
-    ]
+        (decode_key(k, lay), f"jax_kv {lay.name.lower()}" + ("" if k == "1" else f", kernel {k}"))
+        for k in KERNEL_SPECS
+        for lay in Layout
+    ] + [("cudnn", "cuDNN"), ("xla", "XLA masked")]
     present = {k for r in decode + prefill for k in r}
     names = [(n, t) for n, t in names if n in present]
     for ax, rows, key, label, ylabel in (
@@ -337,18 +342,21 @@ def main():
     ap.add_argument("--quick", action="store_true", help="first decode/prefill rows only")
     ap.add_argument(
         "--decode-kernel",
-        choices=("1", "2", "both"),
         default=None,
-        help="CUDA decode kernel(s) to time (default: JAX_KV_DECODE_KERNEL, else 1)",
+        help="comma list of CUDA decode kernels to time: 1, 2, 2-narrow, 2-wide, both "
+        "(default: JAX_KV_DECODE_KERNEL, else 1)",
     )
     ap.add_argument("--parts", default="decode,prefill", help="tables to measure")
     args = ap.parse_args()
     if args.decode_kernel is None:
         from jax_kv.config import runtime_config
 
-        kernels = (runtime_config().decode_kernel,)
+        kernels = (str(runtime_config().decode_kernel),)
     else:
-        kernels = (1, 2) if args.decode_kernel == "both" else (int(args.decode_kernel),)
+        kernels = tuple(args.decode_kernel.replace("both", "1,2").split(","))
+        bad = [k for k in kernels if k not in KERNEL_SPECS]
+        if bad:
+            ap.error(f"--decode-kernel: expected a comma list of {KERNEL_SPECS}, got {bad}")
     os.makedirs(args.out, exist_ok=True)
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind}, jax {jax.__version__}, commit {git_commit()[:12]}")

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "cuda/gqa_params.h"
@@ -33,6 +34,12 @@ struct GqaDecodePlan {
 // pipelines, last-CTA split combine) plus a memset of its split counters in the workspace.
 template <typename T>
 cudaError_t LaunchGqaDecodeV2(const GqaParams<T>& p, cudaStream_t stream);
+
+// Kernel 2's CTA shape (cuda/gqa_decode_v2.cu): auto picks wide CTAs where the grid has fewer
+// (b, KV head, head chunk) CTAs than the device has SMs, narrow ones otherwise; the other two
+// force a shape (tests and benches). Read by the launcher and GqaDecodeV2Plan on each call.
+enum DecodeV2Ctas : int { kDecodeV2Auto = 0, kDecodeV2Narrow = 1, kDecodeV2Wide = 2 };
+extern std::atomic<int> g_decode_v2_ctas;
 
 // Kernel 2's workspace: kernel 1's partials plus B * Hq counter words (an upper bound).
 int64_t GqaDecodeV2WorkspaceFloats(int batch, int num_q_heads, int head_dim);

@@ -44,19 +44,41 @@
 #include "cuda/kernel_common.cuh"
 
 namespace jax_kv {
+
+std::atomic<int> g_decode_v2_ctas{kDecodeV2Auto};
+
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = 32 * kWarps;
 constexpr int kMaxGroup = 8;      // query heads per CTA
 constexpr int kMaxSplits = 256;   // as kernel 1: beyond it partials traffic outgrows the gain
 constexpr int kMaxCtasPerSm = 4;  // 128-register cap x 128 threads: 4 CTAs fill the file
 
-// Resident CTAs per SM the register cap is set for: 8 query heads need ~150 registers
-// (acc alone is 32), so their cap is 168 (3 CTAs) rather than 128 with spills.
+// Two CTA shapes. Narrow: 4 warps, up to 4 CTAs per SM, for grids with at least one
+// (b, KV head) per SM. Wide: one CTA per SM with 16 warps (8 at group 8, whose ~150 registers
+// per thread would not fit 16), for B * Hkv under the SM count: the same warps per SM in 4x
+// fewer splits, so the last CTA merges 4x fewer partials and a short chunk is spread over 16
+// warps instead of run by 4 (bench/NOTES.md, "kernel 2, wide CTAs").
+constexpr int kNarrowWarps = 4;
 template <int GROUP>
+constexpr int WideWarps() {
+  return GROUP >= 8 ? 8 : 16;
+}
+
+// Resident CTAs per SM the register cap is set for. Narrow: 8 query heads need ~150 registers
+// (acc alone is 32), so their cap is 168 (3 CTAs) rather than 128 with spills. Wide: one.
+template <int GROUP, int WARPS>
 constexpr int MinBlocks() {
-  return GROUP >= 8 ? 3 : kMaxCtasPerSm;
+  return WARPS > kNarrowWarps ? 1 : GROUP >= 8 ? 3 : kMaxCtasPerSm;
+}
+
+// A split covers at least this many CTA tiles. Narrow: 8 (256 rows at bf16 D=128). Measured
+// on the H200 at (B=1, live 4096, Hkv=8): 23.9 us with a one-tile floor (65 splits of 64
+// rows), 26.4 us with 8 (16 splits: 128 CTAs, under one 4-warp CTA per SM, so no warp's latency
+// is hidden); such grids now take the wide shape, where one tile (16 or 8 warp tiles) is the
+// floor: a split that short still keeps every warp of its CTA loading.
+template <int WARPS>
+constexpr int MinChunkTiles() {
+  return WARPS > kNarrowWarps ? 1 : 8;
 }
 constexpr int kStageBytes = 4096;          // K+V bytes of one warp's pipeline stage (target)
 constexpr int kSmemPerCtaReserved = 1024;  // the runtime's per-CTA shared-memory reservation
@@ -82,8 +104,10 @@ constexpr int RowLanes(int units, int row_bytes) {
 // Shared-memory rows are kStride 16-byte units; when a row is a multiple of 8 units, unit u of
 // row r sits at u ^ ((r * kR) & 7) (XOR swizzle) so the kR-lane groups of one q.k load hit 8
 // distinct 16-byte bank groups; otherwise the stride is padded to make units/kR odd.
-template <typename T, int HEAD_DIM>
+template <typename T, int HEAD_DIM, int WARPS>
 struct ShapeV2 {
+  static constexpr int kWarps = WARPS;
+  static constexpr int kThreads = 32 * WARPS;
   static constexpr int kVec = VecOf<T>::kElems;
   static constexpr int kUnits = HEAD_DIM / kVec;
   static constexpr int kR = RowLanes(kUnits, HEAD_DIM* static_cast<int>(sizeof(T)));
@@ -129,11 +153,11 @@ struct ShapeV2 {
   }
 };
 
-template <typename T, int HEAD_DIM, int GROUP>
-constexpr int SmemBytes() {
-  using Sh = ShapeV2<T, HEAD_DIM>;
+template <typename T, int HEAD_DIM, int GROUP, int WARPS>
+__host__ __device__ constexpr int SmemBytes() {
+  using Sh = ShapeV2<T, HEAD_DIM, WARPS>;
   // stages | q [GROUP][HEAD_DIM] f32 | p [kWarps][kRows][GROUP] f32
-  return Sh::kStageAreaBytes + GROUP * HEAD_DIM * 4 + kWarps * Sh::kRows * GROUP * 4;
+  return Sh::kStageAreaBytes + GROUP * HEAD_DIM * 4 + WARPS * Sh::kRows * GROUP * 4;
 }
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
@@ -179,33 +203,30 @@ struct SplitPlan {
   int lo, n, chunk, active;
 };
 
-// A split covers at least this many CTA tiles (256 rows at bf16 D=128). Measured on the H200
-// at (B=1, live 4096, Hkv=8): 23.9 us with a one-tile floor (65 splits of 64 rows), 26.4 us
-// with this one (16 splits: 128 CTAs, under one 4-warp CTA per SM, so no warp's latency is
-// hidden); kernel 1 takes 15.6. Small rows are bound by occupancy, not by the split count
-// (bench/NOTES.md); the floor stays until the CTA shape changes, it costs the long rows nothing.
-constexpr int kMinChunkTiles = 8;
-
-// Chunks are whole CTA tiles (kCtaRows rows), at least kMinChunkTiles; the combine recomputes
+// Chunks are whole CTA tiles (cta_rows rows), at least min_chunk rows; the combine recomputes
 // nothing else, so the splits and the last CTA always agree.
-__device__ __forceinline__ SplitPlan PlanSplits(int L, int window, int num_splits, int cta_rows) {
+__device__ __forceinline__ SplitPlan PlanSplits(int L, int window, int num_splits, int cta_rows,
+                                                int min_chunk) {
   SplitPlan s;
   s.lo = window > 0 ? max(0, L + 1 - window) : 0;
   s.n = L + 1 - s.lo;
   const int chunk = (s.n + num_splits - 1) / num_splits;
-  s.chunk = max(kMinChunkTiles * cta_rows, (chunk + cta_rows - 1) / cta_rows * cta_rows);
+  s.chunk = max(min_chunk, (chunk + cta_rows - 1) / cta_rows * cta_rows);
   s.active = (s.n + s.chunk - 1) / s.chunk;
   return s;
 }
 
-template <typename T, int HEAD_DIM, int GROUP>
-__global__ void __launch_bounds__(kThreads, MinBlocks<GROUP>())
-    GqaDecodeV2Kernel(const GqaParams<T> p, int num_splits, int head_chunks) {
-  using Sh = ShapeV2<T, HEAD_DIM>;
+template <typename T, int HEAD_DIM, int GROUP, int WARPS>
+__global__ void __launch_bounds__(32 * WARPS, MinBlocks<GROUP, WARPS>())
+    GqaDecodeV2Kernel(const GqaParams<T> p, int num_splits, int head_chunks, int min_chunk) {
+  using Sh = ShapeV2<T, HEAD_DIM, WARPS>;
+  constexpr int kWarps = WARPS;
+  constexpr int kThreads = Sh::kThreads;
   constexpr int V = Sh::kVec;
   constexpr int R = Sh::kR;
   static_assert(kWarps * GROUP * HEAD_DIM * 4 <= Sh::kStageAreaBytes, "merge fits the stages");
   static_assert(GROUP * kMaxSplits * 4 <= Sh::kStageAreaBytes, "combine weights fit the stages");
+  static_assert(SmemBytes<T, HEAD_DIM, GROUP, WARPS>() <= 227 * 1024, "an SM's opt-in limit");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   uint4* stages = reinterpret_cast<uint4*>(smem_raw);
   float* q_s = reinterpret_cast<float*>(smem_raw + Sh::kStageAreaBytes);  // [GROUP][HEAD_DIM]
@@ -236,7 +257,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<GROUP>())
     }
     return;
   }
-  const SplitPlan plan = PlanSplits(L, p.window, num_splits, Sh::kCtaRows);
+  const SplitPlan plan = PlanSplits(L, p.window, num_splits, Sh::kCtaRows, min_chunk);
   if (split >= plan.active) return;
   const int c0 = plan.lo + split * plan.chunk;
   const int c1 = min(plan.lo + plan.n, c0 + plan.chunk);  // exclusive
@@ -270,7 +291,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<GROUP>())
   float* my_p = p_s + warp * Sh::kRows * GROUP;
   const float4* q4 = reinterpret_cast<const float4*>(q_s);
   // Warp w takes tiles c0 + (w + kWarps t) * kRows: the warps interleave, so a short chunk
-  // still spreads over all four.
+  // still spreads over every warp.
   const int first = c0 + warp * Sh::kRows;
   const int num_tiles = first < c1 ? (c1 - first + Sh::kCtaRows - 1) / Sh::kCtaRows : 0;
   const int64_t head_off = kv_offset(p.cache, b, 0, hkv);
@@ -585,33 +606,33 @@ int SplitsForCtas(int64_t ctas, int ctas_per_sm) {
   return static_cast<int>(std::min<int64_t>(kMaxSplits, std::max<int64_t>(1, s)));
 }
 
-// Split count and chunk granularity of one instantiation, without the workspace clamp.
-template <typename T, int HEAD_DIM, int GROUP>
-GqaDecodePlan PlanFor(int64_t ctas) {
-  using Sh = ShapeV2<T, HEAD_DIM>;
-  const int ctas_per_sm = CtasPerSm(SmemBytes<T, HEAD_DIM, GROUP>(), MinBlocks<GROUP>());
-  return GqaDecodePlan{SplitsForCtas(ctas, ctas_per_sm), Sh::kCtaRows,
-                       kMinChunkTiles * Sh::kCtaRows};
-}
-
-template <typename T, int HEAD_DIM>
-GqaDecodePlan PlanForBucket(int bucket, int64_t ctas) {
-  switch (bucket) {
-    case 1:
-      return PlanFor<T, HEAD_DIM, 1>(ctas);
-    case 2:
-      return PlanFor<T, HEAD_DIM, 2>(ctas);
-    case 4:
-      return PlanFor<T, HEAD_DIM, 4>(ctas);
+// Wide CTAs where the (b, KV head, head chunk) CTAs are fewer than the SMs, unless
+// set_decode_v2_ctas forced a shape.
+bool UseWide(int64_t ctas) {
+  switch (g_decode_v2_ctas.load(std::memory_order_relaxed)) {
+    case kDecodeV2Narrow:
+      return false;
+    case kDecodeV2Wide:
+      return true;
     default:
-      return PlanFor<T, HEAD_DIM, 8>(ctas);
+      return ctas < CurrentDeviceSmCount();
   }
 }
 
-template <typename T, int HEAD_DIM, int GROUP>
+// Split count and chunk granularity of one instantiation, without the workspace clamp.
+template <typename T, int HEAD_DIM, int GROUP, int WARPS>
+GqaDecodePlan PlanFor(int64_t ctas) {
+  using Sh = ShapeV2<T, HEAD_DIM, WARPS>;
+  const int ctas_per_sm =
+      CtasPerSm(SmemBytes<T, HEAD_DIM, GROUP, WARPS>(), MinBlocks<GROUP, WARPS>());
+  return GqaDecodePlan{SplitsForCtas(ctas, ctas_per_sm), Sh::kCtaRows,
+                       MinChunkTiles<WARPS>() * Sh::kCtaRows};
+}
+
+template <typename T, int HEAD_DIM, int GROUP, int WARPS>
 cudaError_t LaunchInstance(const GqaParams<T>& p, int chunks, cudaStream_t stream) {
-  constexpr int smem = SmemBytes<T, HEAD_DIM, GROUP>();
-  auto* kernel = GqaDecodeV2Kernel<T, HEAD_DIM, GROUP>;
+  constexpr int smem = SmemBytes<T, HEAD_DIM, GROUP, WARPS>();
+  auto* kernel = GqaDecodeV2Kernel<T, HEAD_DIM, GROUP, WARPS>;
   // The dynamic shared-memory opt-in is per function and device: set once per device.
   static std::atomic<uint64_t> configured{0};
   int dev = 0;
@@ -624,7 +645,8 @@ cudaError_t LaunchInstance(const GqaParams<T>& p, int chunks, cudaStream_t strea
     configured.fetch_or(bit, std::memory_order_relaxed);
   }
   const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * chunks;
-  int splits = PlanFor<T, HEAD_DIM, GROUP>(ctas).num_splits;
+  const GqaDecodePlan plan = PlanFor<T, HEAD_DIM, GROUP, WARPS>(ctas);
+  int splits = plan.num_splits;
   const int64_t per_split = static_cast<int64_t>(p.batch) * p.num_q_heads * (HEAD_DIM + 2);
   const int64_t room = p.workspace == nullptr ? 0 : p.workspace_floats - ctas;  // counters
   splits = static_cast<int>(std::min<int64_t>(splits, std::max<int64_t>(0, room) / per_split));
@@ -635,42 +657,79 @@ cudaError_t LaunchInstance(const GqaParams<T>& p, int chunks, cudaStream_t strea
     if (e != cudaSuccess) return e;
   }
   const dim3 grid(splits, p.num_kv_heads * chunks, p.batch);
-  kernel<<<grid, kThreads, smem, stream>>>(p, splits, chunks);
+  kernel<<<grid, 32 * WARPS, smem, stream>>>(p, splits, chunks, plan.min_chunk);
   return cudaGetLastError();
 }
+
+// Calls fn.template operator()<GROUP, WARPS>() for the group bucket and CTA shape of a grid of
+// `ctas` (b, KV head, head chunk) CTAs: the one place the plan and the launch both choose.
+template <typename Fn>
+auto WithShape(int group, int64_t ctas, const Fn& fn) {
+  const bool wide = UseWide(ctas);
+  switch (GroupBucket(group)) {
+    case 1:
+      return wide ? fn.template operator()<1, WideWarps<1>()>()
+                  : fn.template operator()<1, kNarrowWarps>();
+    case 2:
+      return wide ? fn.template operator()<2, WideWarps<2>()>()
+                  : fn.template operator()<2, kNarrowWarps>();
+    case 4:
+      return wide ? fn.template operator()<4, WideWarps<4>()>()
+                  : fn.template operator()<4, kNarrowWarps>();
+    default:
+      return wide ? fn.template operator()<8, WideWarps<8>()>()
+                  : fn.template operator()<8, kNarrowWarps>();
+  }
+}
+
+template <typename T, int HEAD_DIM>
+struct Launch {
+  const GqaParams<T>& p;
+  int chunks;
+  cudaStream_t stream;
+  template <int GROUP, int WARPS>
+  cudaError_t operator()() const {
+    return LaunchInstance<T, HEAD_DIM, GROUP, WARPS>(p, chunks, stream);
+  }
+};
+
+template <typename T, int HEAD_DIM>
+struct Plan {
+  int64_t ctas;
+  template <int GROUP, int WARPS>
+  GqaDecodePlan operator()() const {
+    return PlanFor<T, HEAD_DIM, GROUP, WARPS>(ctas);
+  }
+};
 
 template <typename T, int HEAD_DIM>
 cudaError_t LaunchForHeadDim(const GqaParams<T>& p, cudaStream_t stream) {
   const int group = p.num_q_heads / p.num_kv_heads;
   const int chunks = HeadChunks(group);
-  switch (GroupBucket(group)) {
-    case 1:
-      return LaunchInstance<T, HEAD_DIM, 1>(p, chunks, stream);
-    case 2:
-      return LaunchInstance<T, HEAD_DIM, 2>(p, chunks, stream);
-    case 4:
-      return LaunchInstance<T, HEAD_DIM, 4>(p, chunks, stream);
-    default:
-      return LaunchInstance<T, HEAD_DIM, 8>(p, chunks, stream);
-  }
+  const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * chunks;
+  return WithShape(group, ctas, Launch<T, HEAD_DIM>{p, chunks, stream});
+}
+
+template <typename T, int HEAD_DIM>
+GqaDecodePlan PlanForHeadDim(int group, int64_t ctas) {
+  return WithShape(group, ctas, Plan<T, HEAD_DIM>{ctas});
 }
 
 template <typename T>
 GqaDecodePlan PlanForType(int batch, int num_q_heads, int num_kv_heads, int head_dim) {
   const int group = num_q_heads / std::max(1, num_kv_heads);
   const int64_t ctas = static_cast<int64_t>(batch) * num_kv_heads * HeadChunks(group);
-  const int bucket = GroupBucket(group);
   switch (head_dim) {
     case 64:
-      return PlanForBucket<T, 64>(bucket, ctas);
+      return PlanForHeadDim<T, 64>(group, ctas);
     case 80:
-      return PlanForBucket<T, 80>(bucket, ctas);
+      return PlanForHeadDim<T, 80>(group, ctas);
     case 96:
-      return PlanForBucket<T, 96>(bucket, ctas);
+      return PlanForHeadDim<T, 96>(group, ctas);
     case 128:
-      return PlanForBucket<T, 128>(bucket, ctas);
+      return PlanForHeadDim<T, 128>(group, ctas);
     default:
-      return PlanForBucket<T, 256>(bucket, ctas);
+      return PlanForHeadDim<T, 256>(group, ctas);
   }
 }
 

@@ -101,6 +101,39 @@ NB_MODULE(_ffi_cuda, m) {
       "decode_kernel", []() { return jax_kv::g_decode_kernel.load(std::memory_order_relaxed); },
       "The decode kernel (1 or 2) the handler launches.");
   m.def(
+      "set_decode_v2_ctas",
+      [](const std::string& shape) {
+        int v;
+        if (shape == "auto") {
+          v = jax_kv::kDecodeV2Auto;
+        } else if (shape == "narrow") {
+          v = jax_kv::kDecodeV2Narrow;
+        } else if (shape == "wide") {
+          v = jax_kv::kDecodeV2Wide;
+        } else {
+          throw std::invalid_argument("shape: expected 'auto', 'narrow' or 'wide', got '" + shape +
+                                      "'");
+        }
+        jax_kv::g_decode_v2_ctas.store(v, std::memory_order_relaxed);
+      },
+      nb::arg("shape"),
+      "Decode kernel 2's CTA shape: 'auto' (wide CTAs where B * Hkv is under the SM count), "
+      "'narrow' (4 warps) or 'wide' (16, or 8 at group 8); a CUDA graph recorded earlier "
+      "keeps its shape.");
+  m.def(
+      "decode_v2_ctas",
+      []() -> std::string {
+        switch (jax_kv::g_decode_v2_ctas.load(std::memory_order_relaxed)) {
+          case jax_kv::kDecodeV2Narrow:
+            return "narrow";
+          case jax_kv::kDecodeV2Wide:
+            return "wide";
+          default:
+            return "auto";
+        }
+      },
+      "Decode kernel 2's CTA shape setting: 'auto', 'narrow' or 'wide'.");
+  m.def(
       "decode_plan",
       [](int batch, int num_q_heads, int num_kv_heads, int head_dim, int itemsize) {
         if (batch <= 0 || num_q_heads <= 0 || num_kv_heads <= 0 ||

@@ -24,6 +24,13 @@ def set_decode_kernel(kernel: int) -> None:
 def decode_kernel() -> int:
     """The decode kernel (1 or 2) the handler launches."""
 
+def set_decode_v2_ctas(shape: str) -> None:
+    """Decode kernel 2's CTA shape: "auto" (wide CTAs where B * Hkv is under the SM count),
+    "narrow" (4 warps) or "wide" (16, or 8 at group 8); ValueError otherwise."""
+
+def decode_v2_ctas() -> str:
+    """Decode kernel 2's CTA shape setting: "auto", "narrow" or "wide"."""
+
 def decode_plan(
     batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, itemsize: int
 ) -> tuple[int, int, int]:

@@ -1,7 +1,9 @@
 """The CUDA handlers against the CPU handlers and the float64 reference: both layouts, every
 dtype, GQA ratios 1..8 and 7, head dims, lengths at split-chunk edges, ragged prefill, window,
 softcap; the device-side status path; the host-call counter as the CUDA-graph replay signal.
-Every decode test runs once per CUDA decode kernel (1 and 2, the `decode_kernel` fixture).
+Every decode test runs once per CUDA decode kernel and CTA shape (kernel 1, kernel 2 with
+narrow and with wide CTAs: the `decode_kernel` fixture forces the shape that kernel 2's auto
+rule would pick for only some of the shapes).
 
 Run twice, with command buffers forced on (XLA_FLAGS=--xla_gpu_graph_min_graph_size=1) and
 off (--xla_gpu_enable_command_buffer=); the counter test starts its own processes for both.
@@ -43,17 +45,22 @@ def cuda_module():
     return mod
 
 
-@pytest.fixture(params=[1, 2], ids=lambda k: f"kernel{k}")
+@pytest.fixture(
+    params=[(1, "auto"), (2, "narrow"), (2, "wide")], ids=lambda k: f"kernel{k[0]}-{k[1]}"
+)
 def decode_kernel(request):
-    """Selects CUDA decode kernel 1 or 2 for one test and restores the previous selection.
-    Caches are cleared first: an executable recorded as a CUDA graph keeps the kernel it was
-    recorded with."""
+    """Selects CUDA decode kernel 1 or 2 (and kernel 2's CTA shape) for one test and restores
+    the previous selection. Caches are cleared first: an executable recorded as a CUDA graph
+    keeps the kernel it was recorded with."""
     mod = cuda_module()
-    before = mod.decode_kernel()
+    before = mod.decode_kernel(), mod.decode_v2_ctas()
     jax.clear_caches()
-    mod.set_decode_kernel(request.param)
-    yield request.param
-    mod.set_decode_kernel(before)
+    kernel, shape = request.param
+    mod.set_decode_kernel(kernel)
+    mod.set_decode_v2_ctas(shape)
+    yield kernel
+    mod.set_decode_kernel(before[0])
+    mod.set_decode_v2_ctas(before[1])
     jax.clear_caches()
 
 
@@ -327,12 +334,29 @@ def test_decode_kernel_selection():
     with pytest.raises(ValueError, match="expected 1 or 2"):
         mod.set_decode_kernel(3)
     assert mod.decode_kernel() == before
+    with pytest.raises(ValueError, match="'auto', 'narrow' or 'wide'"):
+        mod.set_decode_v2_ctas("medium")
+    assert mod.decode_v2_ctas() == "auto"
     try:
         mod.set_decode_kernel(2)
         splits, multiple, min_chunk = mod.decode_plan(1, 32, 8, 128, 2)
         assert splits > 1 and min_chunk % multiple == 0 and multiple % 8 == 0
+        # auto: B * Hkv = 8 CTAs, under the SM count: wide CTAs, whose rows per tile are 4x
+        # (16 warps) the narrow ones'; B * Hkv = 1024: narrow.
+        mod.set_decode_v2_ctas("narrow")
+        narrow_small, narrow_large = (
+            mod.decode_plan(1, 32, 8, 128, 2),
+            mod.decode_plan(128, 32, 8, 128, 2),
+        )
+        mod.set_decode_v2_ctas("wide")
+        wide_small = mod.decode_plan(1, 32, 8, 128, 2)
+        assert wide_small[1] == 4 * narrow_small[1] and wide_small[0] < narrow_small[0]
+        mod.set_decode_v2_ctas("auto")
+        assert mod.decode_plan(1, 32, 8, 128, 2) == wide_small
+        assert mod.decode_plan(128, 32, 8, 128, 2) == narrow_large
     finally:
         mod.set_decode_kernel(before)
+        mod.set_decode_v2_ctas("auto")
 
 
 def test_workspace_independent_of_capacity():
