@@ -100,12 +100,19 @@ def _inv_freq(config: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotates x [B, T, H, D] at int32 positions [B, T] (rotate-half convention)."""
+def apply_rope(
+    x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, rotated_heads: int | None = None
+) -> jax.Array:
+    """Rotates x [B, T, H, D] at int32 positions [B, T] (rotate-half convention); with
+    rotated_heads, only heads [0, rotated_heads) turn and the rest pass through unchanged."""
     freqs = positions.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]  # [B, T, D/2]
     cos, sin = jnp.cos(freqs)[:, :, None, :], jnp.sin(freqs)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    if rotated_heads is None or rotated_heads >= x.shape[2]:
+        return out
+    turn = (jnp.arange(x.shape[2]) < rotated_heads)[None, None, :, None]
+    return jnp.where(turn, out, x)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -130,18 +137,20 @@ def _qkv(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [B, T, H] -> rotated q [B, T, Hq, D], rotated k and v [B, T, Hkv, D]."""
     B, T, _ = x.shape
-    D = config.head_dim
-    if "wqkv" in p:
-        nq, nkv = config.num_q_heads * D, config.num_kv_heads * D
-        q, k, v = jnp.split(_linear(x, p["wqkv"], p.get("bqkv")), [nq, nq + nkv], axis=-1)
-    else:
-        q, k, v = (
-            _linear(x, p[w], p.get(b)) for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))
-        )
-    q = q.reshape(B, T, config.num_q_heads, D)
-    k = k.reshape(B, T, config.num_kv_heads, D)
-    v = v.reshape(B, T, config.num_kv_heads, D)
+    D, Hq, Hkv = config.head_dim, config.num_q_heads, config.num_kv_heads
     inv_freq = rope_inv_freq(config)
+    if "wqkv" in p:
+        # One elementwise pass over all heads (bias, q and k rotated, v copied) instead of a
+        # bias kernel and one rotation kernel each for q and k: on the GPU, XLA then hands
+        # slices of that one result to the attention op (2 fewer kernels per layer).
+        qkv = _linear(x, p["wqkv"], p.get("bqkv")).reshape(B, T, Hq + 2 * Hkv, D)
+        qkv = apply_rope(qkv, positions, inv_freq, rotated_heads=Hq + Hkv)
+        q, k, v = jnp.split(qkv, [Hq, Hq + Hkv], axis=2)
+        return q, k, v
+    q, k, v = (_linear(x, p[w], p.get(b)) for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+    q = q.reshape(B, T, Hq, D)
+    k = k.reshape(B, T, Hkv, D)
+    v = v.reshape(B, T, Hkv, D)
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
