@@ -34,7 +34,8 @@ from jax_kv.layout import Layout
 from jax_kv.models import llama
 from jax_kv.ops.xla_attention import xla_gqa_decode, xla_gqa_prefill
 
-# "@k": k decode steps per jitted call (Generator(tokens_per_call=k)); "+k2": CUDA decode kernel 2.
+# "@k": k decode steps per jitted call (Generator(tokens_per_call=k)); "+kN": CUDA decode kernel N
+# (default: JAX_KV_DECODE_KERNEL, else 2).
 IMPLS = ("jax_kv-seq", "jax_kv-head", "jax_kv-seq@8", "plain-jax", "transformers")
 MODELS = ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3-8b")
 
@@ -242,7 +243,7 @@ def main() -> None:
             for impl in impls:
                 t0 = time.perf_counter()
                 try:
-                    if impl.startswith("jax_kv-"):  # jax_kv-seq, jax_kv-head, jax_kv-seq@8+k2
+                    if impl.startswith("jax_kv-"):  # jax_kv-seq, jax_kv-head, jax_kv-seq@8+k1
                         spec, _, kernel = impl.removeprefix("jax_kv-").partition("+k")
                         kind, _, k = spec.partition("@")
                         layout = Layout.SEQ_MAJOR if kind == "seq" else Layout.HEAD_MAJOR

@@ -32,10 +32,8 @@ VARIANTS = {
     "cmdbuf-off": "--xla_gpu_enable_command_buffer=",
     "cmdbuf-while": "--xla_gpu_graph_min_graph_size=1 --xla_gpu_enable_command_buffer="
     "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
-    # B=1 matrix-vector dots stay dots (cuBLAS / Triton) instead of multiply + reduce fusions.
-    "no-dot-sr": "--xla_gpu_enable_dot_strength_reduction=false",
 }
-# A variant name may end in "+k2": the same XLA flags with JAX_KV_DECODE_KERNEL=2.
+# A variant name may end in "+kN": the same XLA flags with JAX_KV_DECODE_KERNEL=N.
 
 
 def _busy_ns(intervals: list[tuple[int, int]]) -> int:

@@ -71,15 +71,6 @@ constexpr int MinBlocks() {
   return WARPS > kNarrowWarps ? 1 : GROUP >= 8 ? 3 : kMaxCtasPerSm;
 }
 
-// A split covers at least this many CTA tiles. Narrow: 8 (256 rows at bf16 D=128). Measured
-// on the H200 at (B=1, live 4096, Hkv=8): 23.9 us with a one-tile floor (65 splits of 64
-// rows), 26.4 us with 8 (16 splits: 128 CTAs, under one 4-warp CTA per SM, so no warp's latency
-// is hidden); such grids now take the wide shape, where one tile (16 or 8 warp tiles) is the
-// floor: a split that short still keeps every warp of its CTA loading.
-template <int WARPS>
-constexpr int MinChunkTiles() {
-  return WARPS > kNarrowWarps ? 1 : 8;
-}
 constexpr int kStageBytes = 4096;          // K+V bytes of one warp's pipeline stage (target)
 constexpr int kSmemPerCtaReserved = 1024;  // the runtime's per-CTA shared-memory reservation
 
@@ -152,6 +143,22 @@ struct ShapeV2 {
     }
   }
 };
+
+// The fewest rows a split covers. Narrow: 8 CTA tiles (256 rows at bf16 D=128). Measured on
+// the H200 at (B=1, live 4096, Hkv=8): 23.9 us with a one-tile floor (65 splits of 64 rows),
+// 26.4 us with 8 (16 splits: 128 CTAs, under one 4-warp CTA per SM, so no warp's latency is
+// hidden); such grids now take the wide shape. Wide: kWideMinSplitBytes of K+V (whole tiles).
+// With a one-tile floor, Qwen2.5-0.5B at B=1 (~300 live, Hkv=2) ran 3 splits of 128 rows and
+// a merge: 7.5 us per layer, a chain of ~8 dependent global round trips (length, q, K/V,
+// partials, fence, counter, partials again, out). A lone split skips the last five.
+constexpr int kWideMinSplitBytes = 128 * 1024;
+template <typename T, int HEAD_DIM, int WARPS>
+constexpr int MinChunkRows() {
+  using Sh = ShapeV2<T, HEAD_DIM, WARPS>;
+  if (WARPS == kNarrowWarps) return 8 * Sh::kCtaRows;
+  const int tiles = (kWideMinSplitBytes / (2 * Sh::kRowBytes) + Sh::kCtaRows - 1) / Sh::kCtaRows;
+  return (tiles > 1 ? tiles : 1) * Sh::kCtaRows;
+}
 
 template <typename T, int HEAD_DIM, int GROUP, int WARPS>
 __host__ __device__ constexpr int SmemBytes() {
@@ -626,7 +633,7 @@ GqaDecodePlan PlanFor(int64_t ctas) {
   const int ctas_per_sm =
       CtasPerSm(SmemBytes<T, HEAD_DIM, GROUP, WARPS>(), MinBlocks<GROUP, WARPS>());
   return GqaDecodePlan{SplitsForCtas(ctas, ctas_per_sm), Sh::kCtaRows,
-                       MinChunkTiles<WARPS>() * Sh::kCtaRows};
+                       MinChunkRows<T, HEAD_DIM, WARPS>()};
 }
 
 template <typename T, int HEAD_DIM, int GROUP, int WARPS>

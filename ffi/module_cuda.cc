@@ -20,7 +20,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvGrowCacheCuda);
 
 namespace jax_kv {
 std::atomic<int64_t> g_host_calls[kNumHostCallTargets];
-std::atomic<int> g_decode_kernel{1};
+std::atomic<int> g_decode_kernel{2};
 }  // namespace jax_kv
 
 namespace nb = nanobind;

@@ -95,8 +95,10 @@ class RuntimeConfig:
         prefix at each growth (None: one min_bucket).
     pool_bytes: JAX_KV_POOL_BYTES, physical memory the VMM arena keeps created ahead of need
         (64 MiB); it is device memory in use, reported as pooled_bytes.
-    decode_kernel: JAX_KV_DECODE_KERNEL, which CUDA decode kernel gqa_decode launches: 1
-        (split-K with a combine kernel, the default) or 2 (cp.async pipelines, one launch).
+    decode_kernel: JAX_KV_DECODE_KERNEL, which CUDA decode kernel gqa_decode launches: 2
+        (cp.async pipelines, one launch, wide CTAs where B * Hkv is under the SM count; the
+        default, faster at every row of bench/attention.py) or 1 (split-K with a combine
+        kernel).
         Applied when the CUDA module is registered; `_ffi_cuda.set_decode_kernel` changes it
         later (a recorded CUDA graph keeps the kernel it was recorded with).
     """
@@ -106,7 +108,7 @@ class RuntimeConfig:
     reserve_bytes: int | None = None
     commit_ahead: int | None = None
     pool_bytes: int = 64 << 20
-    decode_kernel: int = 1
+    decode_kernel: int = 2
 
 
 # variable -> (field, parser). The one table both from_env and the freeze guard read, so the

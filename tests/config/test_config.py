@@ -36,11 +36,11 @@ def test_parses_each_variable():
         "JAX_KV_RESERVE_BYTES": "64G",
         "JAX_KV_COMMIT_AHEAD": "128",
         "JAX_KV_POOL_BYTES": "0",
-        "JAX_KV_DECODE_KERNEL": "2",
+        "JAX_KV_DECODE_KERNEL": "1",
     }
     assert set(env) == set(variables())
-    assert from_env(env) == RuntimeConfig(64, "eager", 64 << 30, 128, 0, 2)
-    assert RuntimeConfig().decode_kernel == 1
+    assert from_env(env) == RuntimeConfig(64, "eager", 64 << 30, 128, 0, 1)
+    assert RuntimeConfig().decode_kernel == 2
 
 
 @pytest.mark.parametrize(

@@ -114,7 +114,12 @@ def test_ragged_batch_rows_match_single_prompts(ref, hf_checkpoint):
         layout=Layout.HEAD_MAJOR,
         last_only=True,
     )
-    np.testing.assert_array_equal(np.asarray(last), np.stack([got[0, T - 1], got[1, 14]]))
+    # The last_only program is compiled apart (other fusions): equal to f32 rounding, while a
+    # wrong row would differ at O(1).
+    want_last = np.stack([got[0, T - 1], got[1, 14]])
+    np.testing.assert_allclose(
+        np.asarray(last), want_last, rtol=0, atol=1e-5 * np.abs(want_last).max()
+    )
 
 
 def test_sharded_checkpoint_loads_like_a_single_file(hf_checkpoint):
