@@ -33,7 +33,8 @@ VARIANTS = {
     "cmdbuf-while": "--xla_gpu_graph_min_graph_size=1 --xla_gpu_enable_command_buffer="
     "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
 }
-# A variant name may end in "+kN": the same XLA flags with JAX_KV_DECODE_KERNEL=N.
+# A variant name may end in "+kN": the same XLA flags with JAX_KV_DECODE_KERNEL=N; "+nomv":
+# with JAX_KV_MATVEC=off (the projections as XLA's dots).
 
 
 def _busy_ns(intervals: list[tuple[int, int]]) -> int:
@@ -175,13 +176,18 @@ def main() -> None:
     for variant, impls in plan.items():
         dump = args.out / f"hlo-{variant}"
         for impl in impls:
-            base, _, kernel = variant.partition("+k")
+            base, *suffixes = variant.split("+")
             flags = VARIANTS[base]
             if impl == impls[0]:
                 flags += f" --xla_dump_to={dump}"
             env = dict(os.environ, XLA_FLAGS=flags.strip())
-            if kernel:
-                env["JAX_KV_DECODE_KERNEL"] = kernel
+            for suffix in suffixes:
+                if suffix == "nomv":
+                    env["JAX_KV_MATVEC"] = "off"
+                elif suffix.startswith("k"):
+                    env["JAX_KV_DECODE_KERNEL"] = suffix[1:]
+                else:
+                    raise SystemExit(f"variant {variant}: unknown suffix +{suffix}")
             cmd = [sys.executable, __file__, "--out", str(args.out), "--impl", impl]
             cmd += ["--model", args.model, "--batch", str(args.batch)]
             cmd += ["--prompt", str(args.prompt), "--tokens", str(args.tokens)]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the CUDA module, run the GPU tests, run the benchmarks. Logs go to
 # $OUT (or ./device-out). Each stage has its own time limit so the whole fits one call.
-#   bash scripts/device_run.sh [stages...]   stages: build ops ops-off gen cache attn generate profile san
+#   bash scripts/device_run.sh [stages...]   stages: build ops ops-off gen cache attn generate profile san matvec
 # GEN_MODELS, GEN_BATCH, GEN_TOKENS, GEN_IMPLS, GEN_TIMEOUT set bench/generate.py's run.
 # ATTN_ARGS passes options to bench/attention.py (e.g. "--decode-kernel both"), ATTN_TIMEOUT
 # its time limit in seconds (200); PROF_ARGS / PROF_TIMEOUT the same for bench/step_profile.py.
@@ -63,6 +63,11 @@ for s in $STAGES; do
       timeout 120 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -m gpu \
         tests/ops/test_gpu_ops.py -q -p no:cacheprovider -p no:benchmark -k "(decode_head_dims and bfloat16 and SEQ) or (prefill_head_dims and bfloat16 and HEAD) or status_out_of_range or decode_many_splits" \
         2>&1 | tee "$OUT/sanitizer.log" | tail -8 ;;
+    matvec)
+      stage "matvec tests under compute-sanitizer memcheck"
+      XLA_FLAGS=--xla_gpu_graph_min_graph_size=1 timeout 150 compute-sanitizer --tool memcheck \
+        --print-limit 20 python3 -m pytest -m gpu tests/ops/test_gpu_matvec.py -q -p no:cacheprovider \
+        -p no:benchmark 2>&1 | tee "$OUT/matvec.log" | tail -6 ;;
   esac
 done
 stage done

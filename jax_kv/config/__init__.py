@@ -76,6 +76,13 @@ def _decode_kernel(name: str, raw: str) -> int:
     return value
 
 
+def _on_off(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value not in ("1", "0", "on", "off"):
+        raise ConfigError(f"{name}: expected 1, 0, on or off, got {raw!r}")
+    return value in ("1", "on")
+
+
 def _pool_bytes(name: str, raw: str) -> int:
     if raw.strip() == "0":
         return 0
@@ -109,6 +116,7 @@ class RuntimeConfig:
     commit_ahead: int | None = None
     pool_bytes: int = 64 << 20
     decode_kernel: int = 2
+    matvec: bool = True
 
 
 # variable -> (field, parser). The one table both from_env and the freeze guard read, so the
@@ -120,6 +128,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "JAX_KV_COMMIT_AHEAD": ("commit_ahead", _commit_ahead),
     "JAX_KV_POOL_BYTES": ("pool_bytes", _pool_bytes),
     "JAX_KV_DECODE_KERNEL": ("decode_kernel", _decode_kernel),
+    "JAX_KV_MATVEC": ("matvec", _on_off),
 }
 
 

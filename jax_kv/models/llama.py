@@ -41,7 +41,7 @@ import numpy as np
 
 from jax_kv.layout import Layout
 from jax_kv.models.config import ModelConfig
-from jax_kv.ops import gqa_decode, gqa_prefill
+from jax_kv.ops import gqa_decode, gqa_prefill, matvec
 
 Params = dict[str, Any]
 Caches = list[tuple[jax.Array, jax.Array]]
@@ -128,8 +128,8 @@ def _bcast(v: jax.Array, ndim: int) -> jax.Array:
 
 
 def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    y = x @ w.T  # w: [out, in]
-    return y if b is None else y + _bcast(b, y.ndim)
+    """x [..., in] @ w [out, in]^T (+ b): the CUDA matvec kernel at B * T <= 4 rows."""
+    return matvec(x, w, b)
 
 
 def _qkv(

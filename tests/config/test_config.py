@@ -37,9 +37,10 @@ def test_parses_each_variable():
         "JAX_KV_COMMIT_AHEAD": "128",
         "JAX_KV_POOL_BYTES": "0",
         "JAX_KV_DECODE_KERNEL": "1",
+        "JAX_KV_MATVEC": "off",
     }
     assert set(env) == set(variables())
-    assert from_env(env) == RuntimeConfig(64, "eager", 64 << 30, 128, 0, 1)
+    assert from_env(env) == RuntimeConfig(64, "eager", 64 << 30, 128, 0, 1, False)
     assert RuntimeConfig().decode_kernel == 2
 
 
@@ -54,6 +55,7 @@ def test_parses_each_variable():
         ("JAX_KV_COMMIT_AHEAD", "0"),
         ("JAX_KV_DECODE_KERNEL", "3"),
         ("JAX_KV_DECODE_KERNEL", "v2"),
+        ("JAX_KV_MATVEC", "yes"),
     ],
 )
 def test_invalid_value_names_the_variable(name, raw):

@@ -1,0 +1,64 @@
+"""The CUDA matvec kernel against float64: row counts 1..4 (and leading dims), K below, at
+and above the split-K switch (2048), N not a multiple of the CTA's rows, every dtype, with and
+without bias; NaN propagates; the handler ran (host-call counter); more rows fall back."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from inputs import DTYPES, randn
+from reference import assert_close
+
+from jax_kv import matvec
+
+pytestmark = pytest.mark.gpu
+dtype_ids = lambda d: jnp.dtype(d).name  # noqa: E731
+
+
+def cuda_module():
+    from jax_kv import _ffi
+
+    _ffi.register()
+    mod = _ffi.cuda_module()
+    assert mod is not None, "jax_kv._ffi_cuda is not built (JAX_KV_CUDA=ON) or no CUDA backend"
+    return mod
+
+
+def check(rng, lead, N, K, dtype, bias):
+    x = randn(rng, (*lead, K), dtype)
+    w = jnp.asarray(rng.standard_normal((N, K), np.float32) / np.sqrt(K), dtype)
+    b = randn(rng, (N,), dtype) if bias else None
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    if bias:
+        want = want + np.asarray(b, np.float64)
+    mod = cuda_module()
+    before = mod.host_calls()["jax_kv_matvec"]
+    y = jax.jit(matvec)(x, w, b)
+    assert y.shape == (*lead, N) and y.dtype == dtype
+    assert_close(y, want, jnp.dtype(dtype).name, "y")
+    return mod.host_calls()["jax_kv_matvec"] - before
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
+@pytest.mark.parametrize("K", [8, 896, 2048, 2056, 4864])
+def test_matvec_matches_reference(rng, dtype, M, K):
+    assert check(rng, (M,), 1157, K, dtype, bias=M % 2 == 1) >= 1
+
+
+@pytest.mark.parametrize("lead, N", [((1, 1), 896), ((2, 1), 7), ((1,), 1)])
+def test_matvec_leading_dims_and_small_n(rng, lead, N):
+    assert check(rng, lead, N, 64, jnp.bfloat16, bias=True) >= 1
+
+
+def test_matvec_nan_propagates(rng):
+    x = randn(rng, (1, 256), jnp.bfloat16)
+    w = randn(rng, (40, 256), jnp.bfloat16).at[17, 100].set(jnp.nan)
+    y = np.asarray(jax.jit(matvec)(x, w), np.float32)
+    assert np.isnan(y[0, 17]) and np.isfinite(np.delete(y[0], 17)).all()
+
+
+def test_matvec_falls_back_past_four_rows_and_odd_k(rng):
+    # 5 rows, or K not whole 16-byte vectors: XLA's dot, the handler never runs.
+    assert check(rng, (5,), 64, 64, jnp.bfloat16, bias=False) == 0
+    assert check(rng, (1,), 64, 12, jnp.bfloat16, bias=False) == 0
