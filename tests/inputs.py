@@ -1,4 +1,4 @@
-"""Fresh random inputs for the op tests, in any dtype and layout."""
+"""Fresh random inputs for the op tests, in any dtype and layout; the CUDA module for GPU tests."""
 
 from __future__ import annotations
 
@@ -60,3 +60,13 @@ def live_prefix(cache, arrays, n: int | None = None) -> np.ndarray:
         x = jnp.moveaxis(jax.lax.slice_in_dim(a, 0, n, axis=s), s, 1)
         out.append(np.asarray(x.astype(jnp.float32), np.float64))
     return np.stack(out)
+
+
+def cuda_module():
+    """The registered CUDA FFI module (GPU tests only: fails where it is not built)."""
+    from jax_kv import _ffi
+
+    _ffi.register()
+    mod = _ffi.cuda_module()
+    assert mod is not None, "jax_kv._ffi_cuda is not built (JAX_KV_CUDA=ON) or no CUDA backend"
+    return mod

@@ -6,22 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from inputs import DTYPES, randn
+from inputs import DTYPES, cuda_module, randn
 from reference import assert_close
 
 from jax_kv import matvec
 
 pytestmark = pytest.mark.gpu
 dtype_ids = lambda d: jnp.dtype(d).name  # noqa: E731
-
-
-def cuda_module():
-    from jax_kv import _ffi
-
-    _ffi.register()
-    mod = _ffi.cuda_module()
-    assert mod is not None, "jax_kv._ffi_cuda is not built (JAX_KV_CUDA=ON) or no CUDA backend"
-    return mod
 
 
 def check(rng, lead, N, K, dtype, bias):

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from inputs import DTYPES, HEAD_DIMS, HEADS, caches, randn
+from inputs import DTYPES, HEAD_DIMS, HEADS, caches, cuda_module, randn
 from reference import (
     TOL,
     assert_close,
@@ -34,15 +34,6 @@ pytestmark = pytest.mark.gpu
 LAYOUTS = list(Layout)
 layout_ids = lambda x: x.name  # noqa: E731
 dtype_ids = lambda d: jnp.dtype(d).name  # noqa: E731
-
-
-def cuda_module():
-    from jax_kv import _ffi
-
-    _ffi.register()
-    mod = _ffi.cuda_module()
-    assert mod is not None, "jax_kv._ffi_cuda is not built (JAX_KV_CUDA=ON) or no CUDA backend"
-    return mod
 
 
 @pytest.fixture(
