@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import itertools
 import json
 import os
 import pathlib
@@ -37,6 +38,9 @@ VARIANTS = {
 # with JAX_KV_MATVEC=off (the projections as XLA's dots).
 
 
+MAX_GAP_NS = 20_000
+
+
 def _busy_ns(intervals: list[tuple[int, int]]) -> int:
     """Length of the union of [start, end) intervals: device time with any kernel running."""
     total, end = 0, -1
@@ -52,7 +56,7 @@ def summarize(xplane: str, tokens: int) -> dict:
     from jax.profiler import ProfileData
 
     data = ProfileData.from_file(xplane)
-    device, host = [], collections.Counter()
+    device, names, host = [], [], collections.Counter()
     host_n = collections.Counter()
     kernels = collections.Counter()
     for plane in data.planes:
@@ -63,6 +67,7 @@ def summarize(xplane: str, tokens: int) -> dict:
                     continue
                 for e in line.events:
                     device.append((int(e.start_ns), int(e.start_ns + e.duration_ns)))
+                    names.append(e.name[:60])
                     kernels[e.name[:60]] += int(e.duration_ns)
         elif plane.name == "/host:CPU":
             for line in plane.lines:
@@ -72,11 +77,23 @@ def summarize(xplane: str, tokens: int) -> dict:
                     host[e.name[:70]] += int(e.duration_ns)
                     host_n[e.name[:70]] += 1
     span = (max(e for _, e in device) - min(s for s, _ in device)) if device else 0
+    # Idle device time before each kernel, charged to that kernel: a launch gap inside one
+    # graph is a microsecond or two, so gaps over MAX_GAP_NS (host syncs between calls) are
+    # left out. Tells whether a node kind (an FFI call's captured child graph, a memset) pays
+    # more to start than an XLA fusion.
+    gaps = collections.Counter()
+    order = sorted(range(len(device)), key=lambda i: device[i][0])
+    for prev, cur in itertools.pairwise(order):
+        gap = device[cur][0] - device[prev][1]
+        if 0 < gap <= MAX_GAP_NS:
+            gaps[names[cur]] += gap
     return dict(
         device_events_per_token=len(device) / tokens,
         device_busy_us_per_token=_busy_ns(device) / tokens / 1e3,
         device_span_us_per_token=span / tokens / 1e3,
         top_kernels_us_per_token={k: v / tokens / 1e3 for k, v in kernels.most_common(40)},
+        launch_gap_us_per_token=sum(gaps.values()) / tokens / 1e3,
+        top_gaps_us_per_token={k: v / tokens / 1e3 for k, v in gaps.most_common(12)},
         top_host_us_per_token={
             k: [round(v / tokens / 1e3, 2), host_n[k] / tokens] for k, v in host.most_common(25)
         },
@@ -217,19 +234,24 @@ def main() -> None:
         # Keep the largest decode-step module (the one-token step) at the top of --out and
         # drop the rest of the dump (hundreds of files).
         if files:
-            biggest = max(files, key=lambda f: pathlib.Path(f).stat().st_size)
+            decode = [f for f in files if "jax_kv_gqa_decode" in pathlib.Path(f).read_text()]
+            biggest = max(decode or files, key=lambda f: pathlib.Path(f).stat().st_size)
             shutil.copy(biggest, args.out / f"hlo-{variant}.txt")
         shutil.rmtree(dump, ignore_errors=True)
         rows.append(dict(variant=variant, hlo=counts))
     (args.out / "step_profile.json").write_text(json.dumps(rows, indent=2))
     print(f"\n{args.model} B={args.batch}, {args.tokens} tokens, bf16 random weights")
-    print("| variant | impl | tok/s | wall us/tok | busy us/tok | events/tok | dispatch us |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| variant | impl | tok/s | wall us/tok | busy us/tok | launch gaps us/tok | events/tok"
+        " | dispatch us |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "impl" in r and "error" not in r:
             print(
                 f"| {r['variant']} | {r['impl']} | {r['tok_s']:.0f} | {r['wall_us_per_token']:.0f}"
-                f" | {r['device_busy_us_per_token']:.0f} | {r['device_events_per_token']:.0f}"
+                f" | {r['device_busy_us_per_token']:.0f} | {r['launch_gap_us_per_token']:.0f}"
+                f" | {r['device_events_per_token']:.0f}"
                 f" | {r.get('dispatch_us', float('nan')):.0f} |"
             )
 

@@ -16,6 +16,7 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kSplitK = 2048;
+constexpr int kLoads = 4;  // 16-byte loads of w in flight per lane
 
 template <typename T, int M, int WARPS_PER_ROW>
 __global__ void __launch_bounds__(kThreads) MatvecKernel(const MatvecParams<T> p) {
@@ -31,16 +32,32 @@ __global__ void __launch_bounds__(kThreads) MatvecKernel(const MatvecParams<T> p
   if (n < p.n) {
     const uint4* w = reinterpret_cast<const uint4*>(p.w + static_cast<int64_t>(n) * p.k);
     const uint4* x = reinterpret_cast<const uint4*>(p.x);
-#pragma unroll 4
-    for (int i = part * 32 + lane; i < kv; i += 32 * WARPS_PER_ROW) {
-      float wf[V];
-      unpack_vec<T>(__ldcs(w + i), wf);  // read once: streamed past L1 and L2's keep set
+    constexpr int kStride = 32 * WARPS_PER_ROW;
+    // kLoads predicated loads issued before any is used, whatever K is: with a plain
+    // `#pragma unroll 4` over a runtime trip count, the lanes left with a remainder (K = 896:
+    // 3.5 vectors a lane) ran it one dependent load at a time, and the warp waited on each
+    // (Qwen2.5-0.5B's projections at 1.4 TB/s; bench/NOTES.md).
+    for (int i0 = part * 32 + lane; i0 < kv; i0 += kLoads * kStride) {
+      uint4 wv[kLoads];
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        float xf[V];
-        unpack_vec<T>(__ldg(x + static_cast<int64_t>(m) * kv + i), xf);
+      for (int u = 0; u < kLoads; ++u) {
+        const int i = i0 + u * kStride;
+        wv[u] = i < kv ? __ldcs(w + i) : make_uint4(0, 0, 0, 0);  // read once: evict first
+      }
 #pragma unroll
-        for (int e = 0; e < V; ++e) acc[m] = fmaf(wf[e], xf[e], acc[m]);
+      for (int u = 0; u < kLoads; ++u) {
+        const int i = i0 + u * kStride;
+        if (i < kv) {
+          float wf[V];
+          unpack_vec<T>(wv[u], wf);
+#pragma unroll
+          for (int m = 0; m < M; ++m) {
+            float xf[V];
+            unpack_vec<T>(__ldg(x + static_cast<int64_t>(m) * kv + i), xf);
+#pragma unroll
+            for (int e = 0; e < V; ++e) acc[m] = fmaf(wf[e], xf[e], acc[m]);
+          }
+        }
       }
     }
   }
