@@ -67,8 +67,8 @@ def summarize(xplane: str, tokens: int) -> dict:
                     continue
                 for e in line.events:
                     device.append((int(e.start_ns), int(e.start_ns + e.duration_ns)))
-                    names.append(e.name[:60])
-                    kernels[e.name[:60]] += int(e.duration_ns)
+                    names.append(e.name[:110])
+                    kernels[e.name[:110]] += int(e.duration_ns)
         elif plane.name == "/host:CPU":
             for line in plane.lines:
                 if line.name == "python":

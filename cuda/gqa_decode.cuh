@@ -31,7 +31,8 @@ struct GqaDecodePlan {
 };
 
 // Kernel 2 (cuda/gqa_decode_v2.cu): same contract as LaunchGqaDecode, one launch (cp.async
-// pipelines, last-CTA split combine) plus a memset of its split counters in the workspace.
+// pipelines, last-CTA split combine) plus a one-CTA kernel that zeroes its split counters in the
+// workspace.
 template <typename T>
 cudaError_t LaunchGqaDecodeV2(const GqaParams<T>& p, cudaStream_t stream);
 

@@ -27,8 +27,8 @@
 //    with the loads for issue slots.
 // 3. One launch. The last CTA of each (b, KV head, head chunk) to finish (an atomic counter in
 //    the workspace) merges the splits; the combine kernel and its grid-wide drain go away.
-//    The counters need zeroing before the kernel: a cudaMemsetAsync of B*Hkv*chunks words (a
-//    memset node, no allocation, capture-safe). A "last CTA resets it for the next call" scheme
+//    The counters need zeroing before the kernel: a one-CTA kernel over B*Hkv*chunks words (a
+//    kernel node, no allocation, capture-safe). A "last CTA resets it for the next call" scheme
 //    cannot be trusted here: the workspace is an XLA result buffer whose contents do not
 //    survive between calls (buffer assignment reuses that memory for other ops). Expected at
 //    (1, 4096): 16.3 -> ~12 us (one kernel node + one memset node instead of two kernels, and
@@ -597,6 +597,14 @@ __global__ void __launch_bounds__(32 * WARPS, MinBlocks<GROUP, WARPS>())
   if (tid == 0) *counter = 0u;  // tidy; the launcher zeroes the counters before every launch
 }
 
+// The split counters are zeroed by a kernel, not cudaMemsetAsync: in XLA's command buffer the
+// memset node (0.86 us) was followed by ~4 us of idle device before the decode kernel started,
+// against ~0.1 us between two kernel nodes (H200, Qwen2.5-0.5B, bench/NOTES.md).
+constexpr int kZeroThreads = 256;
+__global__ void __launch_bounds__(kZeroThreads) ZeroCounters(unsigned* counters, int n) {
+  for (int i = threadIdx.x; i < n; i += kZeroThreads) counters[i] = 0;
+}
+
 int HeadChunks(int group) { return (group + kMaxGroup - 1) / kMaxGroup; }
 
 int GroupBucket(int group) { return group > kMaxGroup ? kMaxGroup : Pow2Ceil(group); }
@@ -659,9 +667,8 @@ cudaError_t LaunchInstance(const GqaParams<T>& p, int chunks, cudaStream_t strea
   splits = static_cast<int>(std::min<int64_t>(splits, std::max<int64_t>(0, room) / per_split));
   if (splits < 2) splits = 1;
   if (splits > 1) {
-    const cudaError_t e = cudaMemsetAsync(p.workspace + per_split * splits, 0,
-                                          static_cast<size_t>(ctas) * sizeof(unsigned), stream);
-    if (e != cudaSuccess) return e;
+    ZeroCounters<<<1, kZeroThreads, 0, stream>>>(
+        reinterpret_cast<unsigned*>(p.workspace + per_split * splits), static_cast<int>(ctas));
   }
   const dim3 grid(splits, p.num_kv_heads * chunks, p.batch);
   kernel<<<grid, 32 * WARPS, smem, stream>>>(p, splits, chunks, plan.min_chunk);

@@ -1,4 +1,5 @@
-// CUDA handler of jax_kv_matvec: y [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]) for M <= 4.
+// CUDA handler of jax_kv_matvec: y [M, N] = x [M, K] @ w^T for M <= 4, with the optional
+// RMSNorm prologue, SwiGLU and residual epilogues of cuda/matvec.cuh.
 #include "cuda/matvec.cuh"
 
 #include <cuda_runtime.h>
@@ -10,33 +11,53 @@
 
 namespace jax_kv {
 
+// An optional operand is an empty buffer when absent.
+template <typename T>
+static const T* Optional(const ffi::AnyBuffer& b) {
+  return b.element_count() != 0 ? static_cast<const T*>(b.untyped_data()) : nullptr;
+}
+
 template <typename T>
 static ffi::Error MatvecImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                             ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y) {
+                             ffi::AnyBuffer bias, ffi::AnyBuffer norm, ffi::AnyBuffer residual,
+                             ffi::Result<ffi::AnyBuffer> y, float eps, bool swiglu) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) {
     return InvalidArgument("x, w: expected rank 2 ([M, K], [N, K]), got " + DimsString(xd) +
                            " and " + DimsString(wd));
   }
-  const int64_t M = xd[0], K = xd[1], N = wd[0];
-  if (wd[1] != K) {
-    return InvalidArgument("w: expected [N, K] with K=" + std::to_string(K) + " (from x), got " +
-                           DimsString(wd));
+  const int64_t M = xd[0], K = xd[1], W = wd[0];
+  if (wd[1] != K || (swiglu && W % 2 != 0)) {
+    return InvalidArgument(std::string("w: expected [") + (swiglu ? "2N" : "N") +
+                           ", K] with K=" + std::to_string(K) + " (from x), got " + DimsString(wd));
   }
+  const int64_t N = swiglu ? W / 2 : W;
   if (M > kMatvecMaxRows || K % (16 / static_cast<int64_t>(sizeof(T))) != 0 ||
-      N > (int64_t{1} << 31) - 1) {
+      W > (int64_t{1} << 31) - 1) {
     return InvalidArgument("x: expected at most " + std::to_string(kMatvecMaxRows) +
                            " rows and K a multiple of " + std::to_string(16 / sizeof(T)) +
                            ", got " + DimsString(xd));
   }
-  const int64_t bias_count = static_cast<int64_t>(bias.element_count());
-  if (w.element_type() != x.element_type() || y->element_type() != x.element_type() ||
-      (bias_count != 0 && bias.element_type() != x.element_type())) {
-    return InvalidArgument("w, bias, y: expected the dtype of x");
+  for (const ffi::AnyBuffer* b : {&w, &bias, &norm, &residual}) {
+    if (b->element_count() != 0 && b->element_type() != x.element_type()) {
+      return InvalidArgument("w, bias, norm, residual: expected the dtype of x");
+    }
   }
-  if (bias_count != 0 && bias_count != N) {
-    return InvalidArgument("bias: expected " + std::to_string(N) + " elements or none, got " +
-                           DimsString(bias.dimensions()));
+  if (y->element_type() != x.element_type()) {
+    return InvalidArgument("y: expected the dtype of x");
+  }
+  const auto count_error = [](const char* name, int64_t want, ffi::AnyBuffer b) {
+    return InvalidArgument(std::string(name) + ": expected " + std::to_string(want) +
+                           " elements or none, got " + DimsString(b.dimensions()));
+  };
+  if (bias.element_count() != 0 && static_cast<int64_t>(bias.element_count()) != W) {
+    return count_error("bias", W, bias);
+  }
+  if (norm.element_count() != 0 && static_cast<int64_t>(norm.element_count()) != K) {
+    return count_error("norm", K, norm);
+  }
+  if (residual.element_count() != 0 && static_cast<int64_t>(residual.element_count()) != M * N) {
+    return count_error("residual", M * N, residual);
   }
   if (static_cast<int64_t>(y->element_count()) != M * N) {
     return InvalidArgument("y: expected [M, N] = [" + std::to_string(M) + ", " + std::to_string(N) +
@@ -44,11 +65,15 @@ static ffi::Error MatvecImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuff
   }
   MatvecParams<T> p{static_cast<const T*>(x.untyped_data()),
                     static_cast<const T*>(w.untyped_data()),
-                    bias_count != 0 ? static_cast<const T*>(bias.untyped_data()) : nullptr,
+                    Optional<T>(bias),
+                    Optional<T>(norm),
+                    Optional<T>(residual),
                     static_cast<T*>(y->untyped_data()),
                     static_cast<int>(M),
                     static_cast<int>(N),
-                    static_cast<int>(K)};
+                    static_cast<int>(K),
+                    eps,
+                    swiglu};
   const cudaError_t e = LaunchMatvec<T>(p, stream);
   if (e != cudaSuccess) {
     return ffi::Error::Internal(std::string("jax_kv_matvec: ") + cudaGetErrorString(e));
@@ -57,9 +82,11 @@ static ffi::Error MatvecImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuff
 }
 
 static ffi::Error MatvecDispatch(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                                 ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y) {
+                                 ffi::AnyBuffer bias, ffi::AnyBuffer norm, ffi::AnyBuffer residual,
+                                 ffi::Result<ffi::AnyBuffer> y, float eps, bool swiglu) {
   CountHostCall(kHostCallMatvec);
-  JKV_DISPATCH_DTYPE(x.element_type(), MatvecImpl, stream, x, w, bias, y);
+  JKV_DISPATCH_DTYPE(x.element_type(), MatvecImpl, stream, x, w, bias, norm, residual, y, eps,
+                     swiglu);
 }
 
 }  // namespace jax_kv
@@ -67,8 +94,12 @@ static ffi::Error MatvecDispatch(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKvMatvecCuda, jax_kv::MatvecDispatch,
                               ::xla::ffi::Ffi::Bind()
                                   .Ctx<::xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<::xla::ffi::AnyBuffer>()   // x [M, K]
-                                  .Arg<::xla::ffi::AnyBuffer>()   // w [N, K]
-                                  .Arg<::xla::ffi::AnyBuffer>()   // bias [N] or [0]
-                                  .Ret<::xla::ffi::AnyBuffer>(),  // y [M, N]
+                                  .Arg<::xla::ffi::AnyBuffer>()  // x [M, K]
+                                  .Arg<::xla::ffi::AnyBuffer>()  // w [N, K] or [2N, K]
+                                  .Arg<::xla::ffi::AnyBuffer>()  // bias [N] / [2N] or [0]
+                                  .Arg<::xla::ffi::AnyBuffer>()  // norm [K] or [0]
+                                  .Arg<::xla::ffi::AnyBuffer>()  // residual [M, N] or [0]
+                                  .Ret<::xla::ffi::AnyBuffer>()  // y [M, N]
+                                  .Attr<float>("eps")
+                                  .Attr<bool>("swiglu"),
                               {::xla::ffi::Traits::kCmdBufferCompatible});

@@ -4,6 +4,7 @@ oracle."""
 
 from __future__ import annotations
 
+import ml_dtypes  # installed with jax: numpy's bfloat16
 import numpy as np
 
 # Tolerances by out dtype name; scores and softmax are f32 in the kernels, the output is
@@ -98,6 +99,33 @@ def grow_cache_ref(cache, lengths, new_capacity, *, layout):
     for b, n in enumerate(np.asarray(lengths)):
         grown[b, :n] = c[b, :n]
     return _from_bshd(grown, layout)
+
+
+def round_to(v, dtype_name: str) -> np.ndarray:
+    """v rounded to dtype_name (to nearest even), back in float64."""
+    dt = ml_dtypes.bfloat16 if dtype_name == "bfloat16" else np.dtype(dtype_name)
+    return np.asarray(v, np.float64).astype(dt).astype(np.float64)
+
+
+def matvec_ref(x, w, b=None, *, norm=None, eps=1e-6, activation=None, residual=None):
+    """float64 y of jax_kv.matvec: x [M, K], w [N, K] or [2N, K]; rounded to x's dtype where
+    the op's contract says (after the norm's two steps, after the projection, after each
+    SwiGLU step, after the residual add): one dot in float64, the rest elementwise."""
+    name = np.asarray(x).dtype.name
+    f = lambda a: None if a is None else np.asarray(a, np.float64)  # noqa: E731
+    x, w, b, norm, residual = f(x), f(w), f(b), f(norm), f(residual)
+    if norm is not None:
+        inv = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+        x = round_to(norm * round_to(x * inv, name), name)
+    y = x @ w.T + (0.0 if b is None else b)
+    y = round_to(y, name)
+    if activation == "swiglu":
+        gate, up = np.split(y, 2, axis=-1)
+        sig = round_to(1.0 / (1.0 + np.exp(-gate)), name)
+        y = round_to(round_to(gate * sig, name) * up, name)
+    if residual is not None:
+        y = round_to(residual + y, name)
+    return y
 
 
 def assert_close(actual, expected, dtype_name: str, what: str = "out") -> float:

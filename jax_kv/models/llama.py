@@ -42,6 +42,7 @@ import numpy as np
 from jax_kv.layout import Layout
 from jax_kv.models.config import ModelConfig
 from jax_kv.ops import gqa_decode, gqa_prefill, matvec
+from jax_kv.ops.norm import rms_norm
 
 Params = dict[str, Any]
 Caches = list[tuple[jax.Array, jax.Array]]
@@ -115,52 +116,42 @@ def apply_rope(
     return jnp.where(turn, out, x)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """x [..., H] normalized in float32, cast back, then scaled (transformers' order)."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return _bcast(weight, x.ndim) * x32.astype(x.dtype)
-
-
-def _bcast(v: jax.Array, ndim: int) -> jax.Array:
-    """[N] -> [1, ..., 1, N] of rank ndim (explicit: rank promotion may be set to raise)."""
-    return v.reshape((1,) * (ndim - 1) + v.shape)
-
-
-def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """x [..., in] @ w [out, in]^T (+ b): the CUDA matvec kernel at B * T <= 4 rows."""
-    return matvec(x, w, b)
-
-
 def _qkv(
     p: Params, config: ModelConfig, x: jax.Array, positions: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [B, T, H] -> rotated q [B, T, Hq, D], rotated k and v [B, T, Hkv, D]."""
+    """x [B, T, H] (the residual stream: attn_norm is applied here) -> rotated q [B, T, Hq, D],
+    rotated k and v [B, T, Hkv, D]."""
     B, T, _ = x.shape
+    norm, eps = p["attn_norm"], config.rms_norm_eps
     D, Hq, Hkv = config.head_dim, config.num_q_heads, config.num_kv_heads
     inv_freq = rope_inv_freq(config)
     if "wqkv" in p:
         # One elementwise pass over all heads (bias, q and k rotated, v copied) instead of a
         # bias kernel and one rotation kernel each for q and k: on the GPU, XLA then hands
         # slices of that one result to the attention op (2 fewer kernels per layer).
-        qkv = _linear(x, p["wqkv"], p.get("bqkv")).reshape(B, T, Hq + 2 * Hkv, D)
+        qkv = matvec(x, p["wqkv"], p.get("bqkv"), norm=norm, eps=eps)
+        qkv = qkv.reshape(B, T, Hq + 2 * Hkv, D)
         qkv = apply_rope(qkv, positions, inv_freq, rotated_heads=Hq + Hkv)
         q, k, v = jnp.split(qkv, [Hq, Hq + Hkv], axis=2)
         return q, k, v
-    q, k, v = (_linear(x, p[w], p.get(b)) for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+    x = rms_norm(x, norm, eps)
+    q, k, v = (matvec(x, p[w], p.get(b)) for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
     q = q.reshape(B, T, Hq, D)
     k = k.reshape(B, T, Hkv, D)
     v = v.reshape(B, T, Hkv, D)
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
-def _mlp(p: Params, x: jax.Array) -> jax.Array:
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+def _mlp(p: Params, config: ModelConfig, x: jax.Array) -> jax.Array:
+    """x + down(silu(gate(h)) * up(h)) with h = rms_norm(x, mlp_norm): with fused gate/up
+    weights the norm, the SwiGLU and the residual add ride in the two matvecs."""
+    norm, eps = p["mlp_norm"], config.rms_norm_eps
     if "w_gate_up" in p:
-        gate, up = jnp.split(_linear(x, p["w_gate_up"]), 2, axis=-1)
+        h = matvec(x, p["w_gate_up"], norm=norm, eps=eps, activation="swiglu")
     else:
-        gate, up = _linear(x, p["w_gate"]), _linear(x, p["w_up"])
-    return _linear(jax.nn.silu(gate) * up, p["w_down"])
+        h = rms_norm(x, norm, eps)
+        h = jax.nn.silu(matvec(h, p["w_gate"])) * matvec(h, p["w_up"])
+    return matvec(h, p["w_down"], residual=x)
 
 
 _FUSED = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up")}
@@ -237,13 +228,13 @@ def prefill(
     x = jnp.take(params["embed"], tokens, axis=0)  # [B, T, H]
     out_caches: Caches = []
     for p, (k_cache, v_cache) in zip(params["layers"], caches, strict=True):
-        q, k, v = _qkv(p, config, rms_norm(x, p["attn_norm"], config.rms_norm_eps), positions)
+        q, k, v = _qkv(p, config, x, positions)
         # attn: [B, T, Hq, D]
         attn, k_cache, v_cache = attention(
             q, k, v, k_cache, v_cache, lengths, new_lengths=new_lengths, layout=layout
         )
-        x = x + _linear(attn.reshape(B, T, -1), p["wo"])
-        x = x + _mlp(p, rms_norm(x, p["mlp_norm"], config.rms_norm_eps))
+        x = matvec(attn.reshape(B, T, -1), p["wo"], residual=x)
+        x = _mlp(p, config, x)
         out_caches.append((k_cache, v_cache))
     if last_only:
         last = jnp.full((B,), T - 1, jnp.int32) if new_lengths is None else new_lengths - 1
@@ -278,13 +269,13 @@ def decode_step(
     x = jnp.take(params["embed"], tokens, axis=0)[:, None, :]  # [B, 1, H]
     out_caches: Caches = []
     for p, (k_cache, v_cache) in zip(params["layers"], caches, strict=True):
-        q, k, v = _qkv(p, config, rms_norm(x, p["attn_norm"], config.rms_norm_eps), positions)
+        q, k, v = _qkv(p, config, x, positions)
         # attn: [B, Hq, D]
         attn, k_cache, v_cache = attention(
             q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, lengths, layout=layout
         )
-        x = x + _linear(attn.reshape(B, 1, -1), p["wo"])
-        x = x + _mlp(p, rms_norm(x, p["mlp_norm"], config.rms_norm_eps))
+        x = matvec(attn.reshape(B, 1, -1), p["wo"], residual=x)
+        x = _mlp(p, config, x)
         out_caches.append((k_cache, v_cache))
     return _logits(params, config, x[:, 0]), out_caches
 

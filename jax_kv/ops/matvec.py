@@ -1,10 +1,12 @@
-"""matvec: y = x @ w.T (+ b) for the few rows of a decode step (XLA FFI target jax_kv_matvec).
+"""matvec: y = x @ w.T for the few rows of a decode step (XLA FFI target jax_kv_matvec), with
+the elementwise work around a projection folded in.
 
 At B * T <= 4 rows XLA strength-reduces such a dot to multiply + reduce fusions, which ran the
 decode projections at about 2 TB/s on the H200 (bench/NOTES.md); the CUDA kernel
-(cuda/matvec.cu) streams w in 16-byte loads instead. Everywhere else (more rows, a K that is not
-whole 16-byte vectors, a CPU, no CUDA module) it is the plain dot, so models call it for every
-projection.
+(cuda/matvec.cu) streams w in 16-byte loads instead, and also does the RMSNorm before the
+projection and the SwiGLU or residual add after it, which were graph nodes of their own.
+Everywhere else (more rows, a K that is not whole 16-byte vectors, mixed dtypes, a CPU, no CUDA
+module) it is the same computation in plain JAX, so models call it for every projection.
 """
 
 from __future__ import annotations
@@ -15,50 +17,96 @@ import jax.numpy as jnp
 from jax_kv import _ffi
 from jax_kv.config import runtime_config
 from jax_kv.ops import _common
+from jax_kv.ops.norm import rms_norm
 
 MAX_ROWS = 4  # kMatvecMaxRows in cuda/matvec.cuh
+ACTIVATIONS = (None, "swiglu")
 
 
-def _dot(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
+def _plain(x, w, b, norm, eps, activation, residual):
+    if norm is not None:
+        x = rms_norm(x, norm, eps)
     y = x @ w.T
-    return y if b is None else y + b.reshape((1,) * (y.ndim - 1) + b.shape)
+    if b is not None:
+        y = y + b.reshape((1,) * (y.ndim - 1) + b.shape)
+    if activation == "swiglu":
+        gate, up = jnp.split(y, 2, axis=-1)
+        y = jax.nn.silu(gate) * up
+    return y if residual is None else residual + y
 
 
-def matvec(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+def matvec(
+    x: jax.Array,
+    w: jax.Array,
+    b: jax.Array | None = None,
+    *,
+    norm: jax.Array | None = None,
+    eps: float = 1e-6,
+    activation: str | None = None,
+    residual: jax.Array | None = None,
+) -> jax.Array:
     """x [..., K] @ w [N, K]^T (+ b [N]) -> [..., N] in x's dtype, accumulated in float32.
 
-    The CUDA kernel runs where the leading dims of x hold at most 4 rows, x, w (and b) share a
-    dtype of bfloat16, float16 or float32 and K is a multiple of 16 bytes; otherwise, and on
-    other platforms, or with JAX_KV_MATVEC=off, `x @ w.T (+ b)`.
+    norm [K]: x goes through rms_norm(x, norm, eps) first (jax_kv.ops.norm).
+    activation "swiglu": w is [2N, K] (gate rows, then up rows; b [2N]) and the result is
+    silu(gate) * up [..., N].
+    residual [..., N]: added to the result.
+
+    The CUDA kernel runs where the leading dims of x hold at most 4 rows, every operand shares
+    a dtype of bfloat16, float16 or float32 and K is a multiple of 16 bytes; otherwise, on
+    other platforms, or with JAX_KV_MATVEC=off, the same steps in plain JAX (jax.nn.silu,
+    `x @ w.T`, ...), each rounded to x's dtype where the kernel rounds.
     """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
     if w.ndim != 2 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"w: expected [N, K] with K = x.shape[-1], got x {x.shape}, w {w.shape}")
+    swiglu = activation == "swiglu"
+    if swiglu and w.shape[0] % 2:
+        raise ValueError(f"w: expected [2N, K] (gate rows, then up rows) for swiglu, got {w.shape}")
     if b is not None and b.shape != (w.shape[0],):
         raise ValueError(f"b: expected [{w.shape[0]}], got {b.shape}")
     *lead, K = x.shape
-    N = w.shape[0]
+    if norm is not None and norm.shape != (K,):
+        raise ValueError(f"norm: expected [{K}] (one weight per input feature), got {norm.shape}")
+    N = w.shape[0] // 2 if swiglu else w.shape[0]
+    if residual is not None and residual.shape != (*lead, N):
+        raise ValueError(f"residual: expected {(*lead, N)}, got {residual.shape}")
     M = 1
     for d in lead:
         M *= d
     dtype = jnp.dtype(x.dtype)
+    operands = (w, b, norm, residual)
     eligible = (
         1 <= M <= MAX_ROWS
         and dtype in _common.SUPPORTED_DTYPES
-        and jnp.dtype(w.dtype) == dtype
-        and (b is None or jnp.dtype(b.dtype) == dtype)
+        and all(a is None or jnp.dtype(a.dtype) == dtype for a in operands)
         and (K * dtype.itemsize) % 16 == 0
         and _ffi.cuda_module() is not None
         and runtime_config().matvec
     )
+
+    def plain(x, w, b, norm, residual):
+        return _plain(x, w, b, norm, eps, activation, residual)
+
     if not eligible:
-        return _dot(x, w, b)
+        return plain(x, w, b, norm, residual)
     _ffi.register()
 
-    def cuda(x, w, b):
+    def cuda(x, w, b, norm, residual):
         call = jax.ffi.ffi_call(
             "jax_kv_matvec", jax.ShapeDtypeStruct((M, N), dtype), vmap_method="sequential"
         )
-        bias = jnp.zeros((0,), dtype) if b is None else b
-        return call(x.reshape(M, K), w, bias).reshape(*lead, N)
+        none = jnp.zeros((0,), dtype)
+        y = call(
+            x.reshape(M, K),
+            w,
+            none if b is None else b,
+            none if norm is None else norm,
+            none if residual is None else residual.reshape(M, N),
+            eps=jnp.float32(eps),
+            swiglu=swiglu,
+        )
+        return y.reshape(*lead, N)
 
-    return jax.lax.platform_dependent(x, w, b, cuda=cuda, default=_dot)
+    return jax.lax.platform_dependent(x, w, b, norm, residual, cuda=cuda, default=plain)

@@ -1,13 +1,15 @@
 """The CUDA matvec kernel against float64: row counts 1..4 (and leading dims), K below, at
 and above the split-K switch (2048), N not a multiple of the CTA's rows, every dtype, with and
-without bias; NaN propagates; the handler ran (host-call counter); more rows fall back."""
+without bias; the fused forms (RMSNorm before, SwiGLU and residual after) against a float64
+reference that rounds where the contract does; NaN propagates; the handler ran (host-call
+counter); more rows fall back."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from inputs import DTYPES, cuda_module, randn
-from reference import assert_close
+from reference import assert_close, matvec_ref
 
 from jax_kv import matvec
 
@@ -53,3 +55,34 @@ def test_matvec_falls_back_past_four_rows_and_odd_k(rng):
     # 5 rows, or K not whole 16-byte vectors: XLA's dot, the handler never runs.
     assert check(rng, (5,), 64, 64, jnp.bfloat16, bias=False) == 0
     assert check(rng, (1,), 64, 12, jnp.bfloat16, bias=False) == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+@pytest.mark.parametrize("M", [1, 4])
+@pytest.mark.parametrize("K", [896, 4864])
+@pytest.mark.parametrize(
+    "norm, activation, residual, bias",
+    [
+        (True, None, False, True),
+        (True, "swiglu", False, False),
+        (False, "swiglu", True, True),
+        (False, None, True, False),
+    ],
+)
+def test_matvec_fused_forms(rng, dtype, M, K, norm, activation, residual, bias):
+    N = 1157
+    W = 2 * N if activation else N
+    x = randn(rng, (M, K), dtype)
+    w = jnp.asarray(rng.standard_normal((W, K), np.float32) / np.sqrt(K), dtype)
+    b = randn(rng, (W,), dtype) if bias else None
+    g = randn(rng, (K,), dtype) if norm else None
+    r = randn(rng, (M, N), dtype) if residual else None
+    kw = dict(norm=g, eps=1e-6, activation=activation, residual=r)
+    mod = cuda_module()
+    before = mod.host_calls()["jax_kv_matvec"]
+    y = jax.jit(lambda x, w, b, g, r: matvec(x, w, b, **kw | dict(norm=g, residual=r)))(
+        x, w, b, g, r
+    )
+    assert mod.host_calls()["jax_kv_matvec"] > before
+    assert y.shape == (M, N) and y.dtype == dtype
+    assert_close(y, matvec_ref(x, w, b, **kw), jnp.dtype(dtype).name, "y")

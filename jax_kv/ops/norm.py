@@ -1,0 +1,15 @@
+"""RMSNorm as transformers computes it, the one definition the models and matvec's fused
+prologue (jax_kv.ops.matvec, norm=) both follow."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x [..., H] normalized in float32, cast back, then scaled by weight [H] (transformers'
+    order: the product is in x's dtype)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.reshape((1,) * (x.ndim - 1) + weight.shape) * x32.astype(x.dtype)
