@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_kv import _ffi
 from jax_kv.config import runtime_config
@@ -104,7 +105,7 @@ def matvec(
             none if b is None else b,
             none if norm is None else norm,
             none if residual is None else residual.reshape(M, N),
-            eps=jnp.float32(eps),
+            eps=np.float32(eps),
             swiglu=swiglu,
         )
         return y.reshape(*lead, N)
