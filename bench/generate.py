@@ -1,6 +1,7 @@
 """End-to-end decode tokens/s on random-weight models, in one run: the jax_kv Generator
 (seq-major and head-major, VMM arena on CUDA), a plain-JAX static-cache loop (a max_len cache,
-XLA masked attention, the same model code otherwise, one jitted donated step per token) and
+XLA masked attention and XLA's dots (jax_kv.ops.matvec.xla_matvec), the same model code
+otherwise, one jitted donated step per token) and
 transformers (PyTorch, bf16, static cache); plus committed KV memory against a static cache.
 
     python bench/generate.py --out DIR [--models smollm2-135m,qwen2.5-0.5b] [--batch 1,32]
@@ -32,6 +33,7 @@ from jax_kv.decode import Generator
 from jax_kv.decode.sampling import argmax_rows
 from jax_kv.layout import Layout
 from jax_kv.models import llama
+from jax_kv.ops.matvec import xla_matvec
 from jax_kv.ops.xla_attention import xla_gqa_decode, xla_gqa_prefill
 
 # "@k": k decode steps per jitted call (Generator(tokens_per_call=k)); "+kN": CUDA decode kernel N
@@ -83,17 +85,22 @@ def decode_kernel(kernel: int | None):
 
 
 def plain_jax_loop(model, prompts: np.ndarray, static_len: int):
-    """What a JAX user writes today: a cache at max_len, XLA attention over all of it; the
-    model code and the greedy argmax are the Generator's, so only the cache and the attention
-    differ. -> (step, state): `state = step(*state)` decodes one token; state[0] is the tokens
-    [B]."""
+    """What a JAX user writes today: a cache at max_len, XLA attention over all of it, XLA's
+    dots for the projections; the model code and the greedy argmax are the Generator's, so
+    only the cache, the attention and the projections' kernels differ. -> (step, state):
+    `state = step(*state)` decodes one token; state[0] is the tokens [B]."""
     config, params = model.config, model.params
     layout = Layout.SEQ_MAJOR
     B, P = prompts.shape
     caches = llama.init_caches(config, B, static_len, layout=layout, dtype=model.dtype)
     prefill = jax.jit(
         functools.partial(
-            llama.prefill, config=config, layout=layout, last_only=True, attention=xla_gqa_prefill
+            llama.prefill,
+            config=config,
+            layout=layout,
+            last_only=True,
+            attention=xla_gqa_prefill,
+            projection=xla_matvec,
         ),
         donate_argnames=("caches",),
     )
@@ -101,7 +108,14 @@ def plain_jax_loop(model, prompts: np.ndarray, static_len: int):
     @functools.partial(jax.jit, donate_argnums=(2, 3))
     def step(params, tokens, caches, lengths):
         logits, caches = llama.decode_step(
-            params, config, tokens, caches, lengths, layout=layout, attention=xla_gqa_decode
+            params,
+            config,
+            tokens,
+            caches,
+            lengths,
+            layout=layout,
+            attention=xla_gqa_decode,
+            projection=xla_matvec,
         )
         return argmax_rows(logits), caches, lengths + 1
 

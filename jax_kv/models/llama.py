@@ -117,7 +117,7 @@ def apply_rope(
 
 
 def _qkv(
-    p: Params, config: ModelConfig, x: jax.Array, positions: jax.Array
+    p: Params, config: ModelConfig, x: jax.Array, positions: jax.Array, projection: Callable
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [B, T, H] (the residual stream: attn_norm is applied here) -> rotated q [B, T, Hq, D],
     rotated k and v [B, T, Hkv, D]."""
@@ -129,29 +129,29 @@ def _qkv(
         # One elementwise pass over all heads (bias, q and k rotated, v copied) instead of a
         # bias kernel and one rotation kernel each for q and k: on the GPU, XLA then hands
         # slices of that one result to the attention op (2 fewer kernels per layer).
-        qkv = matvec(x, p["wqkv"], p.get("bqkv"), norm=norm, eps=eps)
+        qkv = projection(x, p["wqkv"], p.get("bqkv"), norm=norm, eps=eps)
         qkv = qkv.reshape(B, T, Hq + 2 * Hkv, D)
         qkv = apply_rope(qkv, positions, inv_freq, rotated_heads=Hq + Hkv)
         q, k, v = jnp.split(qkv, [Hq, Hq + Hkv], axis=2)
         return q, k, v
     x = rms_norm(x, norm, eps)
-    q, k, v = (matvec(x, p[w], p.get(b)) for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+    q, k, v = (projection(x, p[w], p.get(b)) for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
     q = q.reshape(B, T, Hq, D)
     k = k.reshape(B, T, Hkv, D)
     v = v.reshape(B, T, Hkv, D)
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
-def _mlp(p: Params, config: ModelConfig, x: jax.Array) -> jax.Array:
+def _mlp(p: Params, config: ModelConfig, x: jax.Array, projection: Callable) -> jax.Array:
     """x + down(silu(gate(h)) * up(h)) with h = rms_norm(x, mlp_norm): with fused gate/up
     weights the norm, the SwiGLU and the residual add ride in the two matvecs."""
     norm, eps = p["mlp_norm"], config.rms_norm_eps
     if "w_gate_up" in p:
-        h = matvec(x, p["w_gate_up"], norm=norm, eps=eps, activation="swiglu")
+        h = projection(x, p["w_gate_up"], norm=norm, eps=eps, activation="swiglu")
     else:
         h = rms_norm(x, norm, eps)
-        h = jax.nn.silu(matvec(h, p["w_gate"])) * matvec(h, p["w_up"])
-    return matvec(h, p["w_down"], residual=x)
+        h = jax.nn.silu(projection(h, p["w_gate"])) * projection(h, p["w_up"])
+    return projection(h, p["w_down"], residual=x)
 
 
 _FUSED = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up")}
@@ -196,6 +196,7 @@ def prefill(
     layout: Layout | str | int,
     last_only: bool = False,
     attention: Callable[..., Any] = gqa_prefill,
+    projection: Callable[..., Any] = matvec,
 ) -> tuple[jax.Array, Caches]:
     """Runs T new tokens per sequence through the decoder, appending their K/V to the caches.
 
@@ -212,6 +213,8 @@ def prefill(
         last_only: return only the logits of each row's last real token.
         attention: gqa_prefill, or a function of the same contract (the benchmarks' plain-JAX
             comparator, jax_kv.ops.xla_attention.xla_gqa_prefill).
+        projection: matvec, or a function of its contract (the plain-JAX comparator's
+            jax_kv.ops.matvec.xla_matvec: XLA's dots and elementwise ops).
 
     Returns:
         (logits, caches): float32 logits [B, T, V] (rows t >= new_lengths[b] are
@@ -228,13 +231,13 @@ def prefill(
     x = jnp.take(params["embed"], tokens, axis=0)  # [B, T, H]
     out_caches: Caches = []
     for p, (k_cache, v_cache) in zip(params["layers"], caches, strict=True):
-        q, k, v = _qkv(p, config, x, positions)
+        q, k, v = _qkv(p, config, x, positions, projection)
         # attn: [B, T, Hq, D]
         attn, k_cache, v_cache = attention(
             q, k, v, k_cache, v_cache, lengths, new_lengths=new_lengths, layout=layout
         )
-        x = matvec(attn.reshape(B, T, -1), p["wo"], residual=x)
-        x = _mlp(p, config, x)
+        x = projection(attn.reshape(B, T, -1), p["wo"], residual=x)
+        x = _mlp(p, config, x, projection)
         out_caches.append((k_cache, v_cache))
     if last_only:
         last = jnp.full((B,), T - 1, jnp.int32) if new_lengths is None else new_lengths - 1
@@ -251,11 +254,13 @@ def decode_step(
     *,
     layout: Layout | str | int,
     attention: Callable[..., Any] = gqa_decode,
+    projection: Callable[..., Any] = matvec,
 ) -> tuple[jax.Array, Caches]:
     """One token per sequence: tokens int32 [B] at positions lengths [B] (< S).
 
     `attention` is gqa_decode or a function of the same contract (the benchmarks' plain-JAX
-    comparator, jax_kv.ops.xla_attention.xla_gqa_decode).
+    comparator, jax_kv.ops.xla_attention.xla_gqa_decode); `projection` is matvec or one of
+    its contract (the comparator's jax_kv.ops.matvec.xla_matvec).
 
     Returns (float32 logits [B, V], caches); the caller advances lengths by 1.
     """
@@ -269,13 +274,13 @@ def decode_step(
     x = jnp.take(params["embed"], tokens, axis=0)[:, None, :]  # [B, 1, H]
     out_caches: Caches = []
     for p, (k_cache, v_cache) in zip(params["layers"], caches, strict=True):
-        q, k, v = _qkv(p, config, x, positions)
+        q, k, v = _qkv(p, config, x, positions, projection)
         # attn: [B, Hq, D]
         attn, k_cache, v_cache = attention(
             q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, lengths, layout=layout
         )
-        x = matvec(attn.reshape(B, 1, -1), p["wo"], residual=x)
-        x = _mlp(p, config, x)
+        x = projection(attn.reshape(B, 1, -1), p["wo"], residual=x)
+        x = _mlp(p, config, x, projection)
         out_caches.append((k_cache, v_cache))
     return _logits(params, config, x[:, 0]), out_caches
 

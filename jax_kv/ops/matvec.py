@@ -24,7 +24,18 @@ MAX_ROWS = 4  # kMatvecMaxRows in cuda/matvec.cuh
 ACTIVATIONS = (None, "swiglu")
 
 
-def _plain(x, w, b, norm, eps, activation, residual):
+def xla_matvec(
+    x: jax.Array,
+    w: jax.Array,
+    b: jax.Array | None = None,
+    *,
+    norm: jax.Array | None = None,
+    eps: float = 1e-6,
+    activation: str | None = None,
+    residual: jax.Array | None = None,
+) -> jax.Array:
+    """matvec's contract as XLA's dot and elementwise ops, nothing of jax_kv's CUDA: what
+    matvec falls back to, and the plain-JAX comparator's projection in bench/."""
     if norm is not None:
         x = rms_norm(x, norm, eps)
     y = x @ w.T
@@ -88,7 +99,7 @@ def matvec(
     )
 
     def plain(x, w, b, norm, residual):
-        return _plain(x, w, b, norm, eps, activation, residual)
+        return xla_matvec(x, w, b, norm=norm, eps=eps, activation=activation, residual=residual)
 
     if not eligible:
         return plain(x, w, b, norm, residual)
