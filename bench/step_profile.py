@@ -34,8 +34,8 @@ VARIANTS = {
     "cmdbuf-while": "--xla_gpu_graph_min_graph_size=1 --xla_gpu_enable_command_buffer="
     "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
 }
-# A variant name may end in "+kN": the same XLA flags with JAX_KV_DECODE_KERNEL=N; "+nomv":
-# with JAX_KV_MATVEC=off (the projections as XLA's dots).
+# A variant name may end in "+kN": the same XLA flags with JAX_KV_DECODE_KERNEL=N; "+mv" /
+# "+nomv": with JAX_KV_MATVEC=on / off (the projections as the CUDA matvec / XLA's dots).
 
 
 MAX_GAP_NS = 20_000
@@ -199,8 +199,8 @@ def main() -> None:
                 flags += f" --xla_dump_to={dump}"
             env = dict(os.environ, XLA_FLAGS=flags.strip())
             for suffix in suffixes:
-                if suffix == "nomv":
-                    env["JAX_KV_MATVEC"] = "off"
+                if suffix in ("mv", "nomv"):
+                    env["JAX_KV_MATVEC"] = "on" if suffix == "mv" else "off"
                 elif suffix.startswith("k"):
                     env["JAX_KV_DECODE_KERNEL"] = suffix[1:]
                 else:

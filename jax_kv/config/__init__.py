@@ -108,6 +108,10 @@ class RuntimeConfig:
         kernel).
         Applied when the CUDA module is registered; `_ffi_cuda.set_decode_kernel` changes it
         later (a recorded CUDA graph keeps the kernel it was recorded with).
+    matvec: JAX_KV_MATVEC, on: the models' projections at B * T <= 4 rows run as the CUDA
+        matvec kernel with the norm, SwiGLU and residual folded in; off (the default): XLA's
+        dots, faster on the H200 at Qwen2.5-0.5B (1275 vs 1184 tok/s) and a tie at Llama-3-8B
+        (bench/NOTES.md).
     """
 
     min_bucket: int = 256
@@ -116,7 +120,7 @@ class RuntimeConfig:
     commit_ahead: int | None = None
     pool_bytes: int = 64 << 20
     decode_kernel: int = 2
-    matvec: bool = True
+    matvec: bool = False
 
 
 # variable -> (field, parser). The one table both from_env and the freeze guard read, so the

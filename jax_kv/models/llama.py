@@ -41,7 +41,8 @@ import numpy as np
 
 from jax_kv.layout import Layout
 from jax_kv.models.config import ModelConfig
-from jax_kv.ops import gqa_decode, gqa_prefill, matvec
+from jax_kv.ops import gqa_decode, gqa_prefill
+from jax_kv.ops.matvec import model_projection
 from jax_kv.ops.norm import rms_norm
 
 Params = dict[str, Any]
@@ -196,7 +197,7 @@ def prefill(
     layout: Layout | str | int,
     last_only: bool = False,
     attention: Callable[..., Any] = gqa_prefill,
-    projection: Callable[..., Any] = matvec,
+    projection: Callable[..., Any] | None = None,
 ) -> tuple[jax.Array, Caches]:
     """Runs T new tokens per sequence through the decoder, appending their K/V to the caches.
 
@@ -214,7 +215,8 @@ def prefill(
         attention: gqa_prefill, or a function of the same contract (the benchmarks' plain-JAX
             comparator, jax_kv.ops.xla_attention.xla_gqa_prefill).
         projection: matvec, or a function of its contract (the plain-JAX comparator's
-            jax_kv.ops.matvec.xla_matvec: XLA's dots and elementwise ops).
+            jax_kv.ops.matvec.xla_matvec: XLA's dots and elementwise ops); None:
+            jax_kv.ops.matvec.model_projection() (JAX_KV_MATVEC).
 
     Returns:
         (logits, caches): float32 logits [B, T, V] (rows t >= new_lengths[b] are
@@ -227,6 +229,7 @@ def prefill(
             f"caches: expected {config.num_layers} (k_cache, v_cache) pairs "
             f"(one per layer), got {len(caches)}"
         )
+    projection = projection or model_projection()
     positions = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
     x = jnp.take(params["embed"], tokens, axis=0)  # [B, T, H]
     out_caches: Caches = []
@@ -254,13 +257,14 @@ def decode_step(
     *,
     layout: Layout | str | int,
     attention: Callable[..., Any] = gqa_decode,
-    projection: Callable[..., Any] = matvec,
+    projection: Callable[..., Any] | None = None,
 ) -> tuple[jax.Array, Caches]:
     """One token per sequence: tokens int32 [B] at positions lengths [B] (< S).
 
     `attention` is gqa_decode or a function of the same contract (the benchmarks' plain-JAX
     comparator, jax_kv.ops.xla_attention.xla_gqa_decode); `projection` is matvec or one of
-    its contract (the comparator's jax_kv.ops.matvec.xla_matvec).
+    its contract (the comparator's jax_kv.ops.matvec.xla_matvec); None picks by
+    JAX_KV_MATVEC (jax_kv.ops.matvec.model_projection).
 
     Returns (float32 logits [B, V], caches); the caller advances lengths by 1.
     """
@@ -270,6 +274,7 @@ def decode_step(
             f"caches: expected {config.num_layers} (k_cache, v_cache) pairs "
             f"(one per layer), got {len(caches)}"
         )
+    projection = projection or model_projection()
     positions = lengths[:, None]  # [B, 1]
     x = jnp.take(params["embed"], tokens, axis=0)[:, None, :]  # [B, 1, H]
     out_caches: Caches = []

@@ -11,6 +11,8 @@ module) it is the same computation in plain JAX, so models call it for every pro
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,6 +49,12 @@ def xla_matvec(
     return y if residual is None else residual + y
 
 
+def model_projection() -> Callable[..., jax.Array]:
+    """The projection the models use: matvec with JAX_KV_MATVEC=on, else xla_matvec (the
+    default: XLA's dots measured faster at B=1 on the H200; bench/NOTES.md)."""
+    return matvec if runtime_config().matvec else xla_matvec
+
+
 def matvec(
     x: jax.Array,
     w: jax.Array,
@@ -66,8 +74,9 @@ def matvec(
 
     The CUDA kernel runs where the leading dims of x hold at most 4 rows, every operand shares
     a dtype of bfloat16, float16 or float32 and K is a multiple of 16 bytes; otherwise, on
-    other platforms, or with JAX_KV_MATVEC=off, the same steps in plain JAX (jax.nn.silu,
-    `x @ w.T`, ...), each rounded to x's dtype where the kernel rounds.
+    other platforms, the same steps in plain JAX (xla_matvec), each rounded to x's dtype where
+    the kernel rounds. Whether the models project through it is JAX_KV_MATVEC's choice
+    (model_projection).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
@@ -95,7 +104,6 @@ def matvec(
         and all(a is None or jnp.dtype(a.dtype) == dtype for a in operands)
         and (K * dtype.itemsize) % 16 == 0
         and _ffi.cuda_module() is not None
-        and runtime_config().matvec
     )
 
     def plain(x, w, b, norm, residual):

@@ -37,11 +37,12 @@ def test_parses_each_variable():
         "JAX_KV_COMMIT_AHEAD": "128",
         "JAX_KV_POOL_BYTES": "0",
         "JAX_KV_DECODE_KERNEL": "1",
-        "JAX_KV_MATVEC": "off",
+        "JAX_KV_MATVEC": "on",
     }
     assert set(env) == set(variables())
-    assert from_env(env) == RuntimeConfig(64, "eager", 64 << 30, 128, 0, 1, False)
+    assert from_env(env) == RuntimeConfig(64, "eager", 64 << 30, 128, 0, 1, True)
     assert RuntimeConfig().decode_kernel == 2
+    assert RuntimeConfig().matvec is False
 
 
 @pytest.mark.parametrize(
