@@ -193,7 +193,7 @@ cudaError_t LaunchRows(const MatvecParams<T>& p, cudaStream_t stream) {
 }
 
 template <typename T, bool SWIGLU>
-cudaError_t LaunchSwiglu(const MatvecParams<T>& p, cudaStream_t stream) {
+cudaError_t LaunchForRowCount(const MatvecParams<T>& p, cudaStream_t stream) {
   switch (p.m) {
     case 1:
       return LaunchRows<T, 1, SWIGLU>(p, stream);
@@ -213,7 +213,7 @@ cudaError_t LaunchSwiglu(const MatvecParams<T>& p, cudaStream_t stream) {
 template <typename T>
 cudaError_t LaunchMatvec(const MatvecParams<T>& p, cudaStream_t stream) {
   if (p.m <= 0 || p.n <= 0) return cudaSuccess;
-  return p.swiglu ? LaunchSwiglu<T, true>(p, stream) : LaunchSwiglu<T, false>(p, stream);
+  return p.swiglu ? LaunchForRowCount<T, true>(p, stream) : LaunchForRowCount<T, false>(p, stream);
 }
 
 template cudaError_t LaunchMatvec<float>(const MatvecParams<float>&, cudaStream_t);

@@ -46,18 +46,18 @@ static ffi::Error MatvecImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuff
   if (y->element_type() != x.element_type()) {
     return InvalidArgument("y: expected the dtype of x");
   }
-  const auto count_error = [](const char* name, int64_t want, ffi::AnyBuffer b) {
-    return InvalidArgument(std::string(name) + ": expected " + std::to_string(want) +
-                           " elements or none, got " + DimsString(b.dimensions()));
-  };
-  if (bias.element_count() != 0 && static_cast<int64_t>(bias.element_count()) != W) {
-    return count_error("bias", W, bias);
-  }
-  if (norm.element_count() != 0 && static_cast<int64_t>(norm.element_count()) != K) {
-    return count_error("norm", K, norm);
-  }
-  if (residual.element_count() != 0 && static_cast<int64_t>(residual.element_count()) != M * N) {
-    return count_error("residual", M * N, residual);
+  // Optional operands: empty, or exactly this many elements.
+  const struct {
+    const char* name;
+    const ffi::AnyBuffer& buffer;
+    int64_t count;
+  } optional[] = {{"bias", bias, W}, {"norm", norm, K}, {"residual", residual, M * N}};
+  for (const auto& o : optional) {
+    const auto n = static_cast<int64_t>(o.buffer.element_count());
+    if (n != 0 && n != o.count) {
+      return InvalidArgument(std::string(o.name) + ": expected " + std::to_string(o.count) +
+                             " elements or none, got " + DimsString(o.buffer.dimensions()));
+    }
   }
   if (static_cast<int64_t>(y->element_count()) != M * N) {
     return InvalidArgument("y: expected [M, N] = [" + std::to_string(M) + ", " + std::to_string(N) +
