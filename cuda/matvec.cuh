@@ -31,6 +31,14 @@ struct MatvecParams {
 // Largest M the kernel takes; K must be a whole number of 16-byte vectors.
 constexpr int kMatvecMaxRows = 4;
 
+// With norm, each CTA stages x [M, K] and norm [K] in shared memory: (M + 1) * K elements,
+// at most kMatvecMaxStagedBytes: with the kernel's static shared memory (under 1 KB) it stays
+// within the 48 KB a CTA gets without an opt-in.
+constexpr int kMatvecMaxStagedBytes = 47 * 1024;
+constexpr int64_t MatvecStagedBytes(int64_t m, int64_t k, int64_t itemsize) {
+  return (m + 1) * k * itemsize;
+}
+
 template <typename T>
 cudaError_t LaunchMatvec(const MatvecParams<T>& p, cudaStream_t stream);
 

@@ -23,6 +23,7 @@ from jax_kv.ops import _common
 from jax_kv.ops.norm import rms_norm
 
 MAX_ROWS = 4  # kMatvecMaxRows in cuda/matvec.cuh
+MAX_STAGED_BYTES = 47 * 1024  # kMatvecMaxStagedBytes: x and norm in shared memory
 ACTIVATIONS = (None, "swiglu")
 
 
@@ -40,7 +41,9 @@ def xla_matvec(
     matvec falls back to, and the plain-JAX comparator's projection in bench/."""
     if norm is not None:
         x = rms_norm(x, norm, eps)
-    y = x @ w.T
+    # float32 as float32 (GPU dots default to TF32 for it): the contract accumulates in float32.
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    y = jnp.matmul(x, w.T, precision=precision)
     if b is not None:
         y = y + b.reshape((1,) * (y.ndim - 1) + b.shape)
     if activation == "swiglu":
@@ -73,7 +76,8 @@ def matvec(
     residual [..., N]: added to the result.
 
     The CUDA kernel runs where the leading dims of x hold at most 4 rows, every operand shares
-    a dtype of bfloat16, float16 or float32 and K is a multiple of 16 bytes; otherwise, on
+    a dtype of bfloat16, float16 or float32, K is a multiple of 16 bytes and, with norm, x and
+    norm fit in 47 KiB ((M + 1) * K elements: each CTA stages them); otherwise, on
     other platforms, the same steps in plain JAX (xla_matvec), each rounded to x's dtype where
     the kernel rounds. Whether the models project through it is JAX_KV_MATVEC's choice
     (model_projection).
@@ -103,6 +107,7 @@ def matvec(
         and dtype in _common.SUPPORTED_DTYPES
         and all(a is None or jnp.dtype(a.dtype) == dtype for a in operands)
         and (K * dtype.itemsize) % 16 == 0
+        and (norm is None or (M + 1) * K * dtype.itemsize <= MAX_STAGED_BYTES)
         and _ffi.cuda_module() is not None
     )
 

@@ -1,8 +1,10 @@
-"""The CUDA matvec kernel against float64: row counts 1..4 (and leading dims), K below, at
-and above the split-K switch (2048), N not a multiple of the CTA's rows, every dtype, with and
-without bias; the fused forms (RMSNorm before, SwiGLU and residual after) against a float64
-reference that rounds where the contract does; NaN propagates; the handler ran (host-call
-counter); more rows fall back."""
+"""The CUDA matvec kernel against float64: row counts 1..4 (and leading dims), K from one
+16-byte vector to several load rounds per row, N not a multiple of the CTA's rows, every dtype,
+with and without bias; every warps-per-row shape (1 for long N, up to 8 for a few long rows) and
+grids that walk several row groups per CTA (N past SMs x resident CTAs x rows); the fused forms
+(RMSNorm before, SwiGLU and residual after) against a float64 reference that rounds where the
+contract does; NaN propagates; the handler ran (host-call counter); more rows, and a norm whose
+staging would pass 47 KiB, fall back."""
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ from inputs import DTYPES, cuda_module, randn
 from reference import assert_close, matvec_ref
 
 from jax_kv import matvec
+from jax_kv.ops.matvec import MAX_STAGED_BYTES
 
 pytestmark = pytest.mark.gpu
 dtype_ids = lambda d: jnp.dtype(d).name  # noqa: E731
@@ -42,6 +45,15 @@ def test_matvec_matches_reference(rng, dtype, M, K):
 @pytest.mark.parametrize("lead, N", [((1, 1), 896), ((2, 1), 7), ((1,), 1)])
 def test_matvec_leading_dims_and_small_n(rng, lead, N):
     assert check(rng, lead, N, 64, jnp.bfloat16, bias=True) >= 1
+
+
+# (N, K): 7 long rows (8 warps a row), 896 x 896 (2 warps a row: 112 CTAs of 8 rows would leave
+# SMs idle), 20000 x 1536 (one warp a row, 2500 row groups: several per CTA, two load rounds a
+# row), 3 x 14336 (7 rounds a row at 8 warps).
+@pytest.mark.parametrize("N, K", [(7, 4864), (896, 896), (20000, 1536), (3, 14336)])
+@pytest.mark.parametrize("M", [1, 3])
+def test_matvec_grid_shapes(rng, N, K, M):
+    assert check(rng, (M,), N, K, jnp.bfloat16, bias=True) >= 1
 
 
 def test_matvec_nan_propagates(rng):
@@ -83,6 +95,23 @@ def test_matvec_fused_forms(rng, dtype, M, K, norm, activation, residual, bias):
     y = jax.jit(lambda x, w, b, g, r: matvec(x, w, b, **kw | dict(norm=g, residual=r)))(
         x, w, b, g, r
     )
-    assert mod.host_calls()["jax_kv_matvec"] > before
+    # Under the norm, M = 4 at K = 4864 stages 48.6 KB (16-bit) or 97 KB (f32): plain JAX, the
+    # handler never runs.
+    staged = (M + 1) * K * jnp.dtype(dtype).itemsize <= MAX_STAGED_BYTES
+    assert (mod.host_calls()["jax_kv_matvec"] > before) == (staged or not norm)
     assert y.shape == (M, N) and y.dtype == dtype
     assert_close(y, matvec_ref(x, w, b, **kw), jnp.dtype(dtype).name, "y")
+
+
+@pytest.mark.parametrize("activation", [None, "swiglu"])
+def test_matvec_norm_many_row_groups(rng, activation):
+    """The norm staged once per CTA serves every row group the CTA walks (N = 20000)."""
+    M, K, N = 2, 1536, 20000
+    W = 2 * N if activation else N
+    x = randn(rng, (M, K), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((W, K), np.float32) / np.sqrt(K), jnp.bfloat16)
+    g = randn(rng, (K,), jnp.bfloat16)
+    r = randn(rng, (M, N), jnp.bfloat16)
+    kw = dict(eps=1e-6, activation=activation)
+    y = jax.jit(lambda x, w, g, r: matvec(x, w, norm=g, residual=r, **kw))(x, w, g, r)
+    assert_close(y, matvec_ref(x, w, norm=g, residual=r, **kw), "bfloat16", "y")
