@@ -29,43 +29,43 @@ for s in $STAGES; do
       nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader ;;
     ops)
       stage "ops (command buffers forced on)"
-      XLA_FLAGS=--xla_gpu_graph_min_graph_size=1 timeout 150 python3 -m pytest -m gpu \
+      XLA_FLAGS=--xla_gpu_graph_min_graph_size=1 timeout -k 10 150 python3 -m pytest -m gpu \
         tests/ops -q -p no:cacheprovider -p no:benchmark -n 4 2>&1 | tee "$OUT/ops_graphs_on.log" | tail -4 ;;
     ops-off)
       stage "ops (command buffers off)"
-      XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 150 python3 -m pytest -m gpu \
+      XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout -k 10 150 python3 -m pytest -m gpu \
         tests/ops -q -p no:cacheprovider -p no:benchmark -n 4 2>&1 | tee "$OUT/ops_graphs_off.log" | tail -4 ;;
     gen)
       stage "generator"
-      timeout 200 python3 -m pytest -m gpu tests/decode -q -p no:cacheprovider -p no:benchmark 2>&1 \
+      timeout -k 10 200 python3 -m pytest -m gpu tests/decode -q -p no:cacheprovider -p no:benchmark 2>&1 \
         | tee "$OUT/generator.log" | tail -15 ;;
     cache)
       stage "cache + memory"
-      timeout 60 python3 -m pytest -m gpu tests/cache tests/memory -q -p no:cacheprovider -p no:benchmark 2>&1 \
+      timeout -k 10 60 python3 -m pytest -m gpu tests/cache tests/memory -q -p no:cacheprovider -p no:benchmark 2>&1 \
         | tee "$OUT/cache.log" | tail -3 ;;
     attn)
       stage "bench/attention.py"
-      timeout ${ATTN_TIMEOUT:-200} python3 bench/attention.py --out "$OUT" ${ATTN_ARGS:-} 2>&1 \
+      timeout -k 10 ${ATTN_TIMEOUT:-200} python3 bench/attention.py --out "$OUT" ${ATTN_ARGS:-} 2>&1 \
         | grep -v -i -E "constant.fold|isn't necessarily|file a bug|^$|operation took" \
         | tee "$OUT/attention.log" | tail -40 ;;
     generate)
       stage "bench/generate.py"
-      timeout ${GEN_TIMEOUT:-150} python3 bench/generate.py --out "$OUT" \
+      timeout -k 10 ${GEN_TIMEOUT:-150} python3 bench/generate.py --out "$OUT" \
         --models ${GEN_MODELS:-smollm2-135m,qwen2.5-0.5b} --batch ${GEN_BATCH:-1,32} \
         --new-tokens ${GEN_TOKENS:-256} ${GEN_IMPLS:+--impls $GEN_IMPLS} 2>&1 | grep -v -E "^\s*$|WARNING" \
         | tee "$OUT/generate.log" | tail -30 ;;
     profile)
       stage "bench/step_profile.py"
-      timeout ${PROF_TIMEOUT:-330} python3 bench/step_profile.py --out "$OUT/profile" ${PROF_ARGS:-} 2>&1 \
+      timeout -k 10 ${PROF_TIMEOUT:-330} python3 bench/step_profile.py --out "$OUT/profile" ${PROF_ARGS:-} 2>&1 \
         | tee "$OUT/profile.log" | tail -12 ;;
     san)
       stage "compute-sanitizer memcheck"
-      timeout 120 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -m gpu \
+      timeout -k 10 120 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -m gpu \
         tests/ops/test_gpu_ops.py -q -p no:cacheprovider -p no:benchmark -k "(decode_head_dims and bfloat16 and SEQ) or (prefill_head_dims and bfloat16 and HEAD) or status_out_of_range or decode_many_splits" \
         2>&1 | tee "$OUT/sanitizer.log" | tail -8 ;;
     matvec)
       stage "matvec tests under compute-sanitizer memcheck"
-      XLA_FLAGS=--xla_gpu_graph_min_graph_size=1 timeout 150 compute-sanitizer --tool memcheck \
+      XLA_FLAGS=--xla_gpu_graph_min_graph_size=1 timeout -k 10 150 compute-sanitizer --tool memcheck \
         --print-limit 20 python3 -m pytest -m gpu tests/ops/test_gpu_matvec.py -q -p no:cacheprovider \
         -p no:benchmark 2>&1 | tee "$OUT/matvec.log" | tail -6 ;;
   esac
