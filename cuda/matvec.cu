@@ -30,8 +30,11 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kSmemPerCtaReserved = 1024;  // the runtime's per-CTA shared-memory reservation
 
 // 16-byte loads of w in flight per lane: 8 of one row, or 4 of each of the two SwiGLU rows.
-// 4 KB per warp, 32 warps per SM at 4 CTAs: ~128 KB in flight per SM, well past the ~40 KB
-// that Little's law asks for at 4.8 TB/s.
+// 4 KB per warp, 32 warps per SM at 4 CTAs: ~128 KB in flight per SM, past the ~40 KB that
+// Little's law asks for at 4.8 TB/s. Yet Nsight Compute measured this shape at 36% of DRAM
+// bandwidth on Qwen2.5-0.5B's gate/up (64 registers, 50% occupancy) where XLA's dot, 28
+// registers at full occupancy, reached 54% (bench/NOTES.md): bytes requested up front are
+// not the same as bytes kept in flight.
 template <bool SWIGLU>
 __host__ __device__ constexpr int LoadsPerRow() {
   return SWIGLU ? 4 : 8;
@@ -107,7 +110,7 @@ __global__ void __launch_bounds__(kThreads, M == 1 ? 4 : 3) MatvecKernel(const M
   constexpr int R = SWIGLU ? 2 : 1;
   constexpr int kLoads = LoadsPerRow<SWIGLU>();
   constexpr int kRowsPerCta = kWarps / WARPS_PER_ROW;
-  constexpr int kStride = 32 * WARPS_PER_ROW;  // vectors between a lane's loads
+  constexpr int kStride = 32 * WARPS_PER_ROW;   // vectors between a lane's loads
   constexpr int kRoundVecs = kLoads * kStride;  // vectors of a row per round
   extern __shared__ uint4 x_s[];                // staged x [M][K / V] (+ norm), with norm
   __shared__ float partial[2][kWarps][R][M];    // WARPS_PER_ROW > 1: alternate per group

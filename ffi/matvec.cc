@@ -43,12 +43,10 @@ static ffi::Error MatvecImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuff
       return InvalidArgument("w, bias, norm, residual: expected the dtype of x");
     }
   }
-  if (norm.element_count() != 0 &&
-      MatvecStagedBytes(M, K, sizeof(T)) > kMatvecMaxStagedBytes) {
-    return InvalidArgument("norm: expected (M + 1) * K * itemsize <= " +
-                           std::to_string(kMatvecMaxStagedBytes) +
-                           " bytes (x and norm are staged in shared memory), got x " +
-                           DimsString(xd));
+  if (norm.element_count() != 0 && MatvecStagedBytes(M, K, sizeof(T)) > kMatvecMaxStagedBytes) {
+    return InvalidArgument(
+        "norm: expected (M + 1) * K * itemsize <= " + std::to_string(kMatvecMaxStagedBytes) +
+        " bytes (x and norm are staged in shared memory), got x " + DimsString(xd));
   }
   if (y->element_type() != x.element_type()) {
     return InvalidArgument("y: expected the dtype of x");
