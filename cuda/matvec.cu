@@ -242,14 +242,15 @@ __global__ void __launch_bounds__(kThreads, M == 1 ? 4 : 3) MatvecKernel(const M
   }
 }
 
-// Resident CTAs per SM of one instantiation at smem bytes of dynamic shared memory; the
-// register-bound part is asked of the runtime once (the handler runs on every non-graph step).
-template <typename Kernel>
-int ResidentCtas(Kernel kernel, int smem) {
+// Resident CTAs per SM of Kernel at smem bytes of dynamic shared memory; the register-bound
+// part is asked of the runtime once per kernel (the handler runs on every non-graph step).
+// Keyed by the kernel itself: every instantiation shares one function type.
+template <auto Kernel>
+int ResidentCtas(int smem) {
   static std::atomic<int> by_registers{0};
   int r = by_registers.load(std::memory_order_relaxed);
   if (r <= 0) {
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&r, kernel, kThreads, 0) != cudaSuccess ||
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&r, Kernel, kThreads, 0) != cudaSuccess ||
         r <= 0) {
       cudaGetLastError();
       r = 1;
@@ -262,11 +263,11 @@ int ResidentCtas(Kernel kernel, int smem) {
 
 template <typename T, int M, int WARPS_PER_ROW, bool SWIGLU>
 cudaError_t LaunchShape(const MatvecParams<T>& p, cudaStream_t stream) {
-  auto* kernel = MatvecKernel<T, M, WARPS_PER_ROW, SWIGLU>;
+  constexpr auto kernel = MatvecKernel<T, M, WARPS_PER_ROW, SWIGLU>;
   const int smem = p.norm != nullptr ? MatvecStagedBytes(p.m, p.k, sizeof(T)) : 0;
   constexpr int kRowsPerCta = kWarps / WARPS_PER_ROW;
   const int64_t groups = (p.n + kRowsPerCta - 1) / kRowsPerCta;
-  const int64_t slots = static_cast<int64_t>(CurrentDeviceSmCount()) * ResidentCtas(kernel, smem);
+  const int64_t slots = static_cast<int64_t>(CurrentDeviceSmCount()) * ResidentCtas<kernel>(smem);
   kernel<<<static_cast<int>(std::min(groups, slots)), kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
