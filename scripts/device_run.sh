@@ -2,9 +2,11 @@
 # One device call: build the CUDA module, run the GPU tests, run the benchmarks. Logs go to
 # $OUT (or ./device-out). Each stage has its own time limit so the whole fits one call.
 #   bash scripts/device_run.sh [stages...]   stages: build ops ops-off gen cache attn generate profile san matvec
+#     matvec-shapes
 # GEN_MODELS, GEN_BATCH, GEN_TOKENS, GEN_IMPLS, GEN_TIMEOUT set bench/generate.py's run.
 # ATTN_ARGS passes options to bench/attention.py (e.g. "--decode-kernel both"), ATTN_TIMEOUT
-# its time limit in seconds (200); PROF_ARGS / PROF_TIMEOUT the same for bench/step_profile.py.
+# its time limit in seconds (200); PROF_ARGS / PROF_TIMEOUT the same for bench/step_profile.py;
+# MVS_MODELS / MVS_TIMEOUT for bench/matvec_shapes.py.
 # The device's copy of .git can be stale: pass JAX_KV_COMMIT=$(git rev-parse --short HEAD) from
 # the checkout so the benchmarks' JSON names the tree that ran.
 set -uo pipefail
@@ -63,6 +65,11 @@ for s in $STAGES; do
       timeout -k 10 120 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -m gpu \
         tests/ops/test_gpu_ops.py -q -p no:cacheprovider -p no:benchmark -k "(decode_head_dims and bfloat16 and SEQ) or (prefill_head_dims and bfloat16 and HEAD) or status_out_of_range or decode_many_splits" \
         2>&1 | tee "$OUT/sanitizer.log" | tail -8 ;;
+    matvec-shapes)
+      stage "bench/matvec_shapes.py --time"
+      timeout -k 10 ${MVS_TIMEOUT:-150} python3 bench/matvec_shapes.py --time --out "$OUT" \
+        --model ${MVS_MODELS:-qwen2.5-0.5b,qwen2.5-1.5b,llama-3-8b} 2>&1 \
+        | tee "$OUT/matvec_shapes.log" | tail -16 ;;
     matvec)
       stage "matvec tests under compute-sanitizer memcheck"
       XLA_FLAGS=--xla_gpu_graph_min_graph_size=1 timeout -k 10 150 compute-sanitizer --tool memcheck \
