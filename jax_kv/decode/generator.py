@@ -203,7 +203,9 @@ class Generator:
     def _call(self, key: StepKey, args: tuple, stats: GenerationStats) -> tuple[Any, bool]:
         """Runs the step for `key` -> (outputs, whether it was compiled for this call).
 
-        One jax.jit object per key: dropping it from the table is what invalidation means.
+        One jax.jit object per key. A step a growth invalidated stays in the table: it no
+        longer fits this run's cache, but a later generate whose cache starts at its capacity
+        reuses it (XLA re-records its graph for the new arrays) instead of compiling it again.
         A new key is lowered and compiled ahead of the call (timed apart, so tok/s figures
         are steady state); the trace counter proves the call itself did not compile again.
         """
@@ -237,10 +239,6 @@ class Generator:
         if self._traces != traces:
             raise RuntimeError(f"{key}: the step traced again after it was compiled")
         return out, compiled
-
-    def _invalidate(self, kind: str, capacity: int) -> None:
-        for k in [k for k in self._steps if k.kind == kind and k.capacity == capacity]:
-            del self._steps[k]
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -445,8 +443,7 @@ class Generator:
         if event.keeps_compiled_step and not kept:
             reason = f"{event.reason}, but the arrays moved: invalidated"
         if not kept:
-            stats.invalidations += 1
-            self._invalidate("decode", old_capacity)
+            stats.invalidations += 1  # the next call's key names the new capacity (see _call)
         stats.decisions.append(
             Decision(
                 generated, kept, reason, event.old_capacity, event.new_capacity, event.bytes_moved

@@ -83,6 +83,19 @@ def test_compiled_steps_are_reused_across_calls(model):
     assert again.captures == 0 and again.prefill_captures == 0 and again.replays == 3
 
 
+def test_steps_a_growth_invalidated_serve_a_later_call(model):
+    # Eager arena (CPU): every growth invalidates the current step; the next generate starts
+    # at the small capacity again and reuses the steps of the first, compiling nothing.
+    gen = Generator(model, min_bucket=8)
+    first = gen.generate(PROMPTS, 24, stop_tokens=())
+    again = gen.generate(PROMPTS, 24, stop_tokens=())
+    assert again.tokens == first.tokens
+    s = again.stats
+    assert s.invalidations == first.stats.invalidations >= 2
+    assert not any(d.kept for d in s.decisions)
+    assert s.captures == 0 and s.prefill_captures == 0 and s.replays == s.decode_calls == 23
+
+
 @pytest.mark.parametrize(
     "args, match",
     [
