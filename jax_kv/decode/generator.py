@@ -37,7 +37,7 @@ class StepKey:
     batch: int
     dtype: str
     num_tokens: int  # prefill: padded prompt length T; decode: tokens per call
-    sampling: Sampling
+    sampling: Sampling  # with seed 0: the seed only makes the rng key, an argument of the step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +324,7 @@ class Generator:
         for b, p in enumerate(ids):
             tokens[b, : len(p)] = p
         rng = jax.random.key(sampling.seed)
+        sampling = dataclasses.replace(sampling, seed=0)  # for the step keys
         caches = list(zip(cache.k, cache.v, strict=True))
         lengths = jnp.asarray(cache.lengths)
         args = (params, jnp.asarray(tokens), jnp.asarray(lens), caches, lengths, rng)

@@ -76,6 +76,16 @@ def test_sampling_is_seeded(model):
     assert a == b and a != c
 
 
+def test_a_new_seed_compiles_nothing(model):
+    # The seed only makes the rng key, an argument of the step: not part of what is compiled.
+    first, second = (Sampling(temperature=1.0, top_k=50, seed=seed) for seed in (4, 5))
+    gen = Generator(model)
+    gen.generate(PROMPTS, 12, first, stop_tokens=())
+    r = gen.generate(PROMPTS, 12, second, stop_tokens=())
+    assert r.stats.captures == 0 and r.stats.prefill_captures == 0
+    assert r.tokens == Generator(model).generate(PROMPTS, 12, second, stop_tokens=()).tokens
+
+
 def test_compiled_steps_are_reused_across_calls(model):
     gen = Generator(model, min_bucket=64)
     gen.generate(PROMPTS, 4, stop_tokens=())
