@@ -21,6 +21,7 @@ import argparse
 import glob
 import json
 import pathlib
+import sys
 import tempfile
 
 import jax
@@ -29,6 +30,9 @@ import numpy as np
 
 import jax_kv.models as jm
 from jax_kv.ops.matvec import matvec, xla_matvec
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from step_profile import device_kernels  # noqa: E402
 
 
 def projections(config) -> dict[str, tuple[int, int, dict]]:
@@ -61,15 +65,9 @@ def device_us_per_call(fn, x, ws, g, r, calls: int) -> tuple[float, list[str]]:
                 y = fn(x, ws[i % len(ws)], g, r)
             jax.block_until_ready(y)
         data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
-    total, names = 0, set()
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if line.name.startswith("Stream"):  # other lines repeat the kernels at other levels
-                for e in line.events:
-                    total += int(e.duration_ns)
-                    names.add(e.name[:60])
+    events = device_kernels(data)
+    total = sum(e - s for s, e, _ in events)
+    names = {name[:60] for _, _, name in events}
     return total / calls / 1e3, sorted(names)
 
 

@@ -52,24 +52,31 @@ def _busy_ns(intervals: list[tuple[int, int]]) -> int:
     return total
 
 
-def summarize(xplane: str, tokens: int) -> dict:
-    from jax.profiler import ProfileData
-
-    data = ProfileData.from_file(xplane)
-    device, names, host = [], [], collections.Counter()
-    host_n = collections.Counter()
-    kernels = collections.Counter()
+def device_kernels(data) -> list[tuple[int, int, str]]:
+    """(start ns, end ns, name) of every kernel or copy on the GPU streams of a ProfileData."""
+    out = []
     for plane in data.planes:
         if plane.name.startswith("/device:GPU"):
             for line in plane.lines:
                 # XLA Ops / XLA Modules lines repeat the stream's kernels at another level.
-                if not line.name.startswith("Stream"):
-                    continue
-                for e in line.events:
-                    device.append((int(e.start_ns), int(e.start_ns + e.duration_ns)))
-                    names.append(e.name[:110])
-                    kernels[e.name[:110]] += int(e.duration_ns)
-        elif plane.name == "/host:CPU":
+                if line.name.startswith("Stream"):
+                    for e in line.events:
+                        out.append((int(e.start_ns), int(e.start_ns + e.duration_ns), e.name))
+    return out
+
+
+def summarize(xplane: str, tokens: int) -> dict:
+    from jax.profiler import ProfileData
+
+    data = ProfileData.from_file(xplane)
+    host, host_n, kernels = collections.Counter(), collections.Counter(), collections.Counter()
+    events = device_kernels(data)
+    device = [(s, e) for s, e, _ in events]
+    names = [name[:110] for _, _, name in events]
+    for (s, e), name in zip(device, names, strict=True):
+        kernels[name] += e - s
+    for plane in data.planes:
+        if plane.name == "/host:CPU":
             for line in plane.lines:
                 if line.name == "python":
                     continue

@@ -1,4 +1,5 @@
 // Cached per-device properties: SM count and the shared-memory opt-in limit.
+#include <algorithm>
 #include <atomic>
 
 #include "cuda/device_info.h"
@@ -42,6 +43,11 @@ int CurrentDeviceMaxSmemOptin() {
 
 int CurrentDeviceSmemPerSm() {
   return CachedAttribute(g_smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 228 * 1024);
+}
+
+int CurrentDeviceCtasBySmem(int smem_bytes) {
+  constexpr int kSmemPerCtaReserved = 1024;
+  return std::max(1, CurrentDeviceSmemPerSm() / (smem_bytes + kSmemPerCtaReserved));
 }
 
 }  // namespace jax_kv

@@ -15,4 +15,8 @@ int CurrentDeviceMaxSmemOptin();
 // Shared memory per multiprocessor on the current device (all resident CTAs together).
 int CurrentDeviceSmemPerSm();
 
+// CTAs of smem_bytes dynamic shared memory that fit one multiprocessor of the current device,
+// counting the runtime's 1 KB reservation per CTA (at least 1).
+int CurrentDeviceCtasBySmem(int smem_bytes);
+
 }  // namespace jax_kv

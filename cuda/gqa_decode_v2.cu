@@ -71,8 +71,7 @@ constexpr int MinBlocks() {
   return WARPS > kNarrowWarps ? 1 : GROUP >= 8 ? 3 : kMaxCtasPerSm;
 }
 
-constexpr int kStageBytes = 4096;          // K+V bytes of one warp's pipeline stage (target)
-constexpr int kSmemPerCtaReserved = 1024;  // the runtime's per-CTA shared-memory reservation
+constexpr int kStageBytes = 4096;  // K+V bytes of one warp's pipeline stage (target)
 
 constexpr int Pow2Ceil(int x) {
   int p = 1;
@@ -610,7 +609,7 @@ int HeadChunks(int group) { return (group + kMaxGroup - 1) / kMaxGroup; }
 int GroupBucket(int group) { return group > kMaxGroup ? kMaxGroup : Pow2Ceil(group); }
 
 int CtasPerSm(int smem_bytes, int max_by_registers) {
-  const int per_sm = CurrentDeviceSmemPerSm() / (smem_bytes + kSmemPerCtaReserved);
+  const int per_sm = CurrentDeviceCtasBySmem(smem_bytes);
   return std::max(1, std::min(max_by_registers, per_sm));
 }
 

@@ -27,7 +27,6 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kSmemPerCtaReserved = 1024;  // the runtime's per-CTA shared-memory reservation
 
 // 16-byte loads of w in flight per lane: 8 of one row, or 4 of each of the two SwiGLU rows.
 // 4 KB per warp, 32 warps per SM at 4 CTAs: ~128 KB in flight per SM, past the ~40 KB that
@@ -257,8 +256,7 @@ int ResidentCtas(int smem) {
     }
     by_registers.store(r, std::memory_order_relaxed);
   }
-  const int by_smem = CurrentDeviceSmemPerSm() / (smem + kSmemPerCtaReserved);
-  return std::max(1, std::min(r, by_smem));
+  return std::max(1, std::min(r, CurrentDeviceCtasBySmem(smem)));
 }
 
 template <typename T, int M, int WARPS_PER_ROW, bool SWIGLU>
