@@ -41,6 +41,18 @@ int CurrentDeviceMaxSmemOptin() {
   return CachedAttribute(g_smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 48 * 1024);
 }
 
+cudaError_t AllowDynamicSmem(const void* kernel, int bytes, std::atomic<uint64_t>& configured) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return cudaGetLastError();
+  const uint64_t bit = uint64_t{1} << (dev & 63);
+  if (configured.load(std::memory_order_relaxed) & bit) return cudaSuccess;
+  const cudaError_t e =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e == cudaSuccess) configured.fetch_or(bit, std::memory_order_relaxed);
+  return e;
+}
+
 int CurrentDeviceSmemPerSm() {
   return CachedAttribute(g_smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 228 * 1024);
 }

@@ -3,6 +3,9 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdint>
+
 namespace jax_kv {
 
 // Multiprocessor count of the current device, read once per device: cudaDeviceGetAttribute
@@ -18,5 +21,11 @@ int CurrentDeviceSmemPerSm();
 // CTAs of smem_bytes dynamic shared memory that fit one multiprocessor of the current device,
 // counting the runtime's 1 KB reservation per CTA (at least 1).
 int CurrentDeviceCtasBySmem(int smem_bytes);
+
+// Lets `kernel` launch with up to `bytes` of dynamic shared memory on the current device. The
+// opt-in past 48 KB is a per-function, per-device attribute (host-side, allowed while XLA
+// records a command buffer); `configured` holds one bit per device already raised, so the
+// runtime is called once per device and kernel.
+cudaError_t AllowDynamicSmem(const void* kernel, int bytes, std::atomic<uint64_t>& configured);
 
 }  // namespace jax_kv

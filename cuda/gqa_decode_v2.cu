@@ -39,6 +39,7 @@
 #include <atomic>
 #include <type_traits>
 
+#include "cuda/cp_async.cuh"
 #include "cuda/device_info.h"
 #include "cuda/gqa_decode.cuh"
 #include "cuda/kernel_common.cuh"
@@ -166,26 +167,12 @@ __host__ __device__ constexpr int SmemBytes() {
   return Sh::kStageAreaBytes + GROUP * HEAD_DIM * 4 + WARPS * Sh::kRows * GROUP * 4;
 }
 
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-// 16-byte global -> shared copy that bypasses L1 (shared address as a 32-bit window offset);
-// pred false zero-fills and reads nothing.
-__device__ __forceinline__ void CpAsync16(uint32_t smem, const void* gmem, bool pred) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem),
-               "r"(pred ? 16 : 0));
-}
 // 2^x on the MUFU alone (exp2f adds a range fix-up for results below 2^-126, which softmax
 // weights can flush to zero).
 __device__ __forceinline__ float Exp2Fast(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // One P.V piece (4, 8 or 16 bytes of shared memory) -> floats.
@@ -647,17 +634,10 @@ template <typename T, int HEAD_DIM, int GROUP, int WARPS>
 cudaError_t LaunchInstance(const GqaParams<T>& p, int chunks, cudaStream_t stream) {
   constexpr int smem = SmemBytes<T, HEAD_DIM, GROUP, WARPS>();
   auto* kernel = GqaDecodeV2Kernel<T, HEAD_DIM, GROUP, WARPS>;
-  // The dynamic shared-memory opt-in is per function and device: set once per device.
   static std::atomic<uint64_t> configured{0};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return cudaGetLastError();
-  const uint64_t bit = uint64_t{1} << (dev & 63);
-  if (smem > 48 * 1024 && !(configured.load(std::memory_order_relaxed) & bit)) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return e;
-    configured.fetch_or(bit, std::memory_order_relaxed);
-  }
+  const cudaError_t allowed =
+      AllowDynamicSmem(reinterpret_cast<const void*>(kernel), smem, configured);
+  if (allowed != cudaSuccess) return allowed;
   const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * chunks;
   const GqaDecodePlan plan = PlanFor<T, HEAD_DIM, GROUP, WARPS>(ctas);
   int splits = plan.num_splits;

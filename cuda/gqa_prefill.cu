@@ -7,8 +7,10 @@
 // nothing. K/V tiles stream through a 2-stage cp.async pipeline. f32 inputs take a plain
 // one-warp-per-row path (no f32 tensor-core MMA worth having; it is the accuracy path).
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 
+#include "cuda/cp_async.cuh"
 #include "cuda/device_info.h"
 #include "cuda/gqa_prefill.cuh"
 #include "cuda/kernel_common.cuh"
@@ -35,21 +37,6 @@ __device__ __forceinline__ int32_t PrefillStatus(int L, int n_new, int T, int S)
   if (n_new < 0 || n_new > T) return JKV_STATUS_NEW_LENGTH_OUT_OF_RANGE;
   if (L < 0 || static_cast<int64_t>(L) + n_new > S) return JKV_STATUS_LENGTH_OUT_OF_RANGE;
   return JKV_STATUS_OK;
-}
-
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte global -> shared copy; pred false zero-fills (src-size 0) and reads nothing.
-__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool pred) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddr(smem)), "l"(gmem),
-               "r"(pred ? 16 : 0));
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 __device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* smem) {
@@ -371,12 +358,11 @@ cudaError_t LaunchForHeadDim(const GqaParams<T>& p, cudaStream_t stream) {
     GqaPrefillRowKernel<T, HEAD_DIM><<<grid, 32, 0, stream>>>(p);
   } else {
     using Sh = PrefillShape<HEAD_DIM>;
-    // Raising the dynamic shared-memory limit is a host-side function attribute, not stream
-    // work: allowed while XLA records a command buffer. Done once per instantiation.
-    static const cudaError_t attr =
-        cudaFuncSetAttribute(GqaPrefillMmaKernel<T, HEAD_DIM>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, Sh::kSmemBytes);
-    if (attr != cudaSuccess) return attr;
+    static std::atomic<uint64_t> configured{0};
+    const cudaError_t allowed =
+        AllowDynamicSmem(reinterpret_cast<const void*>(GqaPrefillMmaKernel<T, HEAD_DIM>),
+                         Sh::kSmemBytes, configured);
+    if (allowed != cudaSuccess) return allowed;
     const dim3 grid(std::max(1, (p.num_tokens + kBlockM - 1) / kBlockM), p.num_q_heads, p.batch);
     GqaPrefillMmaKernel<T, HEAD_DIM><<<grid, kThreads, Sh::kSmemBytes, stream>>>(p);
   }
