@@ -17,6 +17,7 @@ nanobind_add_module(_ffi_cuda NB_STATIC
   cuda/device_info.cu
   cuda/gqa_decode.cu
   cuda/gqa_decode_v2.cu
+  cuda/gqa_decode_mma.cu
   cuda/gqa_prefill.cu
   cuda/grow_cache.cu
   cuda/matvec.cu)

@@ -42,6 +42,15 @@ cudaError_t LaunchGqaDecodeV2(const GqaParams<T>& p, cudaStream_t stream);
 enum DecodeV2Ctas : int { kDecodeV2Auto = 0, kDecodeV2Narrow = 1, kDecodeV2Wide = 2 };
 extern std::atomic<int> g_decode_v2_ctas;
 
+// Kernel 3 (cuda/gqa_decode_mma.cu): kernel 2's grid with the tile math on tensor cores, for bf16
+// and f16 at head dims 64/80/96/128; other calls run kernel 2. Same workspace as kernel 2.
+template <typename T>
+cudaError_t LaunchGqaDecodeMma(const GqaParams<T>& p, cudaStream_t stream);
+
+// Kernel 3's split plan (kernel 2's where kernel 3 hands the call to kernel 2).
+GqaDecodePlan GqaDecodeMmaPlan(int batch, int num_q_heads, int num_kv_heads, int head_dim,
+                               int itemsize);
+
 // Kernel 2's workspace: kernel 1's partials plus B * Hq counter words (an upper bound).
 int64_t GqaDecodeV2WorkspaceFloats(int batch, int num_q_heads, int head_dim);
 

@@ -40,9 +40,7 @@
 #include <type_traits>
 
 #include "cuda/cp_async.cuh"
-#include "cuda/device_info.h"
-#include "cuda/gqa_decode.cuh"
-#include "cuda/kernel_common.cuh"
+#include "cuda/gqa_decode_split.cuh"
 
 namespace jax_kv {
 
@@ -50,9 +48,7 @@ std::atomic<int> g_decode_v2_ctas{kDecodeV2Auto};
 
 namespace {
 
-constexpr int kMaxGroup = 8;      // query heads per CTA
-constexpr int kMaxSplits = 256;   // as kernel 1: beyond it partials traffic outgrows the gain
-constexpr int kMaxCtasPerSm = 4;  // 128-register cap x 128 threads: 4 CTAs fill the file
+using namespace split_decode;
 
 // Two CTA shapes. Narrow: 4 warps, up to 4 CTAs per SM, for grids with at least one
 // (b, KV head) per SM. Wide: one CTA per SM with 16 warps (8 at group 8, whose ~150 registers
@@ -73,12 +69,6 @@ constexpr int MinBlocks() {
 }
 
 constexpr int kStageBytes = 4096;  // K+V bytes of one warp's pipeline stage (target)
-
-constexpr int Pow2Ceil(int x) {
-  int p = 1;
-  while (p < x) p <<= 1;
-  return p;
-}
 
 // Lanes that share one K row in q.k: enough rows per warp tile that a stage holds ~kStageBytes,
 // and a divisor of the row's 16-byte units so every lane holds whole vectors.
@@ -148,10 +138,6 @@ struct ShapeV2 {
 // the H200 at (B=1, live 4096, Hkv=8): 23.9 us with a one-tile floor (65 splits of 64 rows),
 // 26.4 us with 8 (16 splits: 128 CTAs, under one 4-warp CTA per SM, so no warp's latency is
 // hidden); such grids now take the wide shape. Wide: kWideMinSplitBytes of K+V (whole tiles).
-// With a one-tile floor, Qwen2.5-0.5B at B=1 (~300 live, Hkv=2) ran 3 splits of 128 rows and
-// a merge: 7.5 us per layer, a chain of ~8 dependent global round trips (length, q, K/V,
-// partials, fence, counter, partials again, out). A lone split skips the last five.
-constexpr int kWideMinSplitBytes = 128 * 1024;
 template <typename T, int HEAD_DIM, int WARPS>
 constexpr int MinChunkRows() {
   using Sh = ShapeV2<T, HEAD_DIM, WARPS>;
@@ -192,23 +178,6 @@ __device__ __forceinline__ void LoadPiece(const void* smem, float (&f)[BYTES / s
   unpack_words<T>(w, f);
 }
 
-struct SplitPlan {
-  int lo, n, chunk, active;
-};
-
-// Chunks are whole CTA tiles (cta_rows rows), at least min_chunk rows; the combine recomputes
-// nothing else, so the splits and the last CTA always agree.
-__device__ __forceinline__ SplitPlan PlanSplits(int L, int window, int num_splits, int cta_rows,
-                                                int min_chunk) {
-  SplitPlan s;
-  s.lo = window > 0 ? max(0, L + 1 - window) : 0;
-  s.n = L + 1 - s.lo;
-  const int chunk = (s.n + num_splits - 1) / num_splits;
-  s.chunk = max(min_chunk, (chunk + cta_rows - 1) / cta_rows * cta_rows);
-  s.active = (s.n + s.chunk - 1) / s.chunk;
-  return s;
-}
-
 template <typename T, int HEAD_DIM, int GROUP, int WARPS>
 __global__ void __launch_bounds__(32 * WARPS, MinBlocks<GROUP, WARPS>())
     GqaDecodeV2Kernel(const GqaParams<T> p, int num_splits, int head_chunks, int min_chunk) {
@@ -224,46 +193,18 @@ __global__ void __launch_bounds__(32 * WARPS, MinBlocks<GROUP, WARPS>())
   uint4* stages = reinterpret_cast<uint4*>(smem_raw);
   float* q_s = reinterpret_cast<float*>(smem_raw + Sh::kStageAreaBytes);  // [GROUP][HEAD_DIM]
   float* p_s = q_s + GROUP * HEAD_DIM;                                    // [kWarps][kRows][G]
-  __shared__ float sm_m[kWarps][GROUP], sm_l[kWarps][GROUP], inv_s[GROUP];
-  __shared__ int s_last;
+  __shared__ float sm_m[kWarps][GROUP], sm_l[kWarps][GROUP];
 
-  const int split = blockIdx.x;
-  const int hkv = blockIdx.y / head_chunks;
-  const int head_chunk = blockIdx.y % head_chunks;
-  const int b = blockIdx.z;
-  const int tid = threadIdx.x;
-  const int group = p.num_q_heads / p.num_kv_heads;
-  const int g0 = head_chunk * GROUP;
-  const int ng = min(GROUP, group - g0);
-  const int qh0 = hkv * group + g0;
-  const int L = p.lengths[b];
-  const bool bad = L < 0 || L >= p.capacity;
-  if (split == 0 && blockIdx.y == 0 && tid == 0) {
-    // Every b has exactly one such CTA, so status needs no memset.
-    p.status[b] = bad ? JKV_STATUS_LENGTH_OUT_OF_RANGE : JKV_STATUS_OK;
-  }
-  T* out_rows = p.out + (static_cast<int64_t>(b) * p.num_q_heads + qh0) * HEAD_DIM;
-  if (bad) {  // cache untouched, no counter touched; split 0 writes the NaN rows
-    if (split == 0) {
-      for (int i = tid; i < ng * HEAD_DIM; i += kThreads)
-        out_rows[i] = from_f32<T>(__int_as_float(0x7fc00000));
-    }
+  DecodeCta cta;
+  if (!BeginDecodeCta<T, HEAD_DIM, GROUP, kThreads>(p, num_splits, head_chunks, Sh::kCtaRows,
+                                                    min_chunk, cta)) {
     return;
   }
-  const SplitPlan plan = PlanSplits(L, p.window, num_splits, Sh::kCtaRows, min_chunk);
-  if (split >= plan.active) return;
-  const int c0 = plan.lo + split * plan.chunk;
-  const int c1 = min(plan.lo + plan.n, c0 + plan.chunk);  // exclusive
-
+  const int tid = threadIdx.x;
+  const int b = cta.b, hkv = cta.hkv, L = cta.L, c0 = cta.c0, c1 = cta.c1;
   const int64_t new_off = (static_cast<int64_t>(b) * p.num_kv_heads + hkv) * HEAD_DIM;
   const T* k_new = p.k_new + new_off;
   const T* v_new = p.v_new + new_off;
-  // Fused append: no CTA of this launch reads cache slot L (the owner reads k/v instead).
-  if (split == 0 && head_chunk == 0 && tid < Sh::kUnits) {
-    const int64_t dst = kv_offset(p.cache, b, L, hkv) + tid * V;
-    stg16(p.k_cache + dst, ldg16(k_new + tid * V));
-    stg16(p.v_cache + dst, ldg16(v_new + tid * V));
-  }
 
   // Scores in log2 units, as kernel 1: scale (and log2 e) folded into q, or with softcap q
   // carries scale / softcap and the score is softcap * log2(e) * tanh(q.k).
@@ -271,9 +212,9 @@ __global__ void __launch_bounds__(32 * WARPS, MinBlocks<GROUP, WARPS>())
   const float q_mul = use_softcap ? p.scale / p.softcap : p.scale * kLog2e;
   const float cap_log2 = p.softcap * kLog2e;
   {
-    const T* qg = p.q + (static_cast<int64_t>(b) * p.num_q_heads + qh0) * HEAD_DIM;
+    const T* qg = p.q + (static_cast<int64_t>(b) * p.num_q_heads + cta.qh0) * HEAD_DIM;
     for (int i = tid; i < GROUP * HEAD_DIM; i += kThreads) {
-      q_s[i] = i < ng * HEAD_DIM ? to_f32(qg[i]) * q_mul : 0.0f;
+      q_s[i] = i < cta.ng * HEAD_DIM ? to_f32(qg[i]) * q_mul : 0.0f;
     }
   }
 
@@ -519,68 +460,7 @@ __global__ void __launch_bounds__(32 * WARPS, MinBlocks<GROUP, WARPS>())
     }
   }
   __syncthreads();
-  // A lone active split is the whole answer: it writes the output rows, no partials, no merge.
-  const int store_splits = plan.active == 1 ? 1 : num_splits;
-  StoreDecodeSplit<T, HEAD_DIM, GROUP, kWarps, kThreads>(p, sm_m, sm_l, sm_acc, b, qh0, ng, split,
-                                                         store_splits, out_rows);
-  if (store_splits == 1) return;
-  const int64_t bh0 = static_cast<int64_t>(b) * p.num_q_heads + qh0;
-  const int64_t ml_base = static_cast<int64_t>(p.batch) * p.num_q_heads * num_splits * HEAD_DIM;
-
-  // Last CTA of this (b, KV head, head chunk) merges the splits (threadFenceReduction's
-  // pattern: publish, fence, count; the last to count reads everything after a fence).
-  const int64_t counter_base =
-      ml_base + static_cast<int64_t>(p.batch) * p.num_q_heads * num_splits * 2;
-  unsigned* counter = reinterpret_cast<unsigned*>(p.workspace + counter_base) +
-                      (static_cast<int64_t>(b) * gridDim.y + blockIdx.y);
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) s_last = atomicAdd(counter, 1u) == static_cast<unsigned>(plan.active - 1);
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  float* weight = reinterpret_cast<float*>(smem_raw);  // [GROUP][kMaxSplits]; sm_acc is done
-  for (int g = warp; g < ng; g += kWarps) {
-    const float* ml = p.workspace + ml_base + (bh0 + g) * num_splits * 2;
-    float mx = kMaxSentinel;
-    for (int s = lane; s < plan.active; s += 32) mx = fmaxf(mx, __ldcg(ml + 2 * s));
-    mx = WarpReduce(mx, [](float a, float o) { return fmaxf(a, o); });
-    float lsum = 0.0f;
-    for (int s = lane; s < plan.active; s += 32) {
-      const float w = exp2f(__ldcg(ml + 2 * s) - mx);
-      weight[g * kMaxSplits + s] = w;
-      lsum += __ldcg(ml + 2 * s + 1) * w;
-    }
-    lsum = WarpReduce(lsum, [](float a, float o) { return a + o; });
-    if (lane == 0) inv_s[g] = 1.0f / lsum;
-  }
-  __syncthreads();
-  // 16-byte partial reads, 16 splits in flight per thread: the merge is a chain of dependent
-  // L2 round trips otherwise (one per split per thread).
-  constexpr int kD4 = HEAD_DIM / 4;
-  for (int i = tid; i < ng * kD4; i += kThreads) {
-    const int g = i / kD4, d4 = i % kD4;
-    const float4* a =
-        reinterpret_cast<const float4*>(p.workspace + (bh0 + g) * num_splits * HEAD_DIM) + d4;
-    const float* wg = weight + g * kMaxSplits;
-    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 16
-    for (int s = 0; s < plan.active; ++s) {
-      const float4 x = __ldcg(a + static_cast<int64_t>(s) * kD4);
-      const float w = wg[s];
-      sum.x = fmaf(x.x, w, sum.x);
-      sum.y = fmaf(x.y, w, sum.y);
-      sum.z = fmaf(x.z, w, sum.z);
-      sum.w = fmaf(x.w, w, sum.w);
-    }
-    const float inv = inv_s[g];
-    T* o = out_rows + g * HEAD_DIM + d4 * 4;
-    o[0] = from_f32<T>(sum.x * inv);
-    o[1] = from_f32<T>(sum.y * inv);
-    o[2] = from_f32<T>(sum.z * inv);
-    o[3] = from_f32<T>(sum.w * inv);
-  }
-  if (tid == 0) *counter = 0u;  // tidy; the launcher zeroes the counters before every launch
+  EndDecodeCta<T, HEAD_DIM, GROUP, kWarps>(p, cta, num_splits, sm_m, sm_l, smem_raw);
 }
 
 // The split counters are zeroed by a kernel, not cudaMemsetAsync: in XLA's command buffer the
@@ -591,34 +471,7 @@ __global__ void __launch_bounds__(kZeroThreads) ZeroCounters(unsigned* counters,
   for (int i = threadIdx.x; i < n; i += kZeroThreads) counters[i] = 0;
 }
 
-int HeadChunks(int group) { return (group + kMaxGroup - 1) / kMaxGroup; }
-
 int GroupBucket(int group) { return group > kMaxGroup ? kMaxGroup : Pow2Ceil(group); }
-
-int CtasPerSm(int smem_bytes, int max_by_registers) {
-  const int per_sm = CurrentDeviceCtasBySmem(smem_bytes);
-  return std::max(1, std::min(max_by_registers, per_sm));
-}
-
-int SplitsForCtas(int64_t ctas, int ctas_per_sm) {
-  const int64_t target = static_cast<int64_t>(ctas_per_sm) * CurrentDeviceSmCount();
-  // floor, not ceil: a grid just over one wave would leave most SMs idle in its second wave.
-  const int64_t s = target / std::max<int64_t>(1, ctas);
-  return static_cast<int>(std::min<int64_t>(kMaxSplits, std::max<int64_t>(1, s)));
-}
-
-// Wide CTAs where the (b, KV head, head chunk) CTAs are fewer than the SMs, unless
-// set_decode_v2_ctas forced a shape.
-bool UseWide(int64_t ctas) {
-  switch (g_decode_v2_ctas.load(std::memory_order_relaxed)) {
-    case kDecodeV2Narrow:
-      return false;
-    case kDecodeV2Wide:
-      return true;
-    default:
-      return ctas < CurrentDeviceSmCount();
-  }
-}
 
 // Split count and chunk granularity of one instantiation, without the workspace clamp.
 template <typename T, int HEAD_DIM, int GROUP, int WARPS>
@@ -632,26 +485,10 @@ GqaDecodePlan PlanFor(int64_t ctas) {
 
 template <typename T, int HEAD_DIM, int GROUP, int WARPS>
 cudaError_t LaunchInstance(const GqaParams<T>& p, int chunks, cudaStream_t stream) {
-  constexpr int smem = SmemBytes<T, HEAD_DIM, GROUP, WARPS>();
-  auto* kernel = GqaDecodeV2Kernel<T, HEAD_DIM, GROUP, WARPS>;
-  static std::atomic<uint64_t> configured{0};
-  const cudaError_t allowed =
-      AllowDynamicSmem(reinterpret_cast<const void*>(kernel), smem, configured);
-  if (allowed != cudaSuccess) return allowed;
   const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * chunks;
-  const GqaDecodePlan plan = PlanFor<T, HEAD_DIM, GROUP, WARPS>(ctas);
-  int splits = plan.num_splits;
-  const int64_t per_split = static_cast<int64_t>(p.batch) * p.num_q_heads * (HEAD_DIM + 2);
-  const int64_t room = p.workspace == nullptr ? 0 : p.workspace_floats - ctas;  // counters
-  splits = static_cast<int>(std::min<int64_t>(splits, std::max<int64_t>(0, room) / per_split));
-  if (splits < 2) splits = 1;
-  if (splits > 1) {
-    ZeroCounters<<<1, kZeroThreads, 0, stream>>>(
-        reinterpret_cast<unsigned*>(p.workspace + per_split * splits), static_cast<int>(ctas));
-  }
-  const dim3 grid(splits, p.num_kv_heads * chunks, p.batch);
-  kernel<<<grid, 32 * WARPS, smem, stream>>>(p, splits, chunks, plan.min_chunk);
-  return cudaGetLastError();
+  return LaunchSplitDecode<GqaDecodeV2Kernel<T, HEAD_DIM, GROUP, WARPS>>(
+      p, chunks, 32 * WARPS, SmemBytes<T, HEAD_DIM, GROUP, WARPS>(),
+      PlanFor<T, HEAD_DIM, GROUP, WARPS>(ctas), stream);
 }
 
 // Calls fn.template operator()<GROUP, WARPS>() for the group bucket and CTA shape of a grid of
@@ -727,6 +564,10 @@ GqaDecodePlan PlanForType(int batch, int num_q_heads, int num_kv_heads, int head
 }
 
 }  // namespace
+
+void split_decode::LaunchZeroCounters(unsigned* counters, int n, cudaStream_t stream) {
+  ZeroCounters<<<1, kZeroThreads, 0, stream>>>(counters, n);
+}
 
 GqaDecodePlan GqaDecodeV2Plan(int batch, int num_q_heads, int num_kv_heads, int head_dim,
                               int itemsize) {

@@ -1,5 +1,5 @@
 // CUDA handler of jax_kv_gqa_decode: checks buffers, fills params, launches the selected
-// split-K kernel (1 or 2, ffi/decode_kernel.h).
+// split-K kernel (1, 2 or 3, ffi/decode_kernel.h).
 #include "cuda/gqa_decode.cuh"
 
 #include <cuda_runtime.h>
@@ -25,9 +25,17 @@ static ffi::Error GqaDecodeImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
                                     /*has_token_axis=*/false, &p);
   if (err.failure()) return err;
   // status is written by the kernel for every b (no memset node needed).
-  const cudaError_t e = g_decode_kernel.load(std::memory_order_relaxed) == 2
-                            ? LaunchGqaDecodeV2<T>(p, stream)
-                            : LaunchGqaDecode<T>(p, stream);
+  cudaError_t e;
+  switch (g_decode_kernel.load(std::memory_order_relaxed)) {
+    case 1:
+      e = LaunchGqaDecode<T>(p, stream);
+      break;
+    case 3:
+      e = LaunchGqaDecodeMma<T>(p, stream);
+      break;
+    default:
+      e = LaunchGqaDecodeV2<T>(p, stream);
+  }
   if (e != cudaSuccess) {
     return ffi::Error::Internal(std::string("jax_kv_gqa_decode: ") + cudaGetErrorString(e));
   }

@@ -90,18 +90,18 @@ NB_MODULE(_ffi_cuda, m) {
   m.def(
       "set_decode_kernel",
       [](int kernel) {
-        if (kernel != 1 && kernel != 2) {
-          throw std::invalid_argument("decode kernel: expected 1 or 2, got " +
+        if (kernel < 1 || kernel > 3) {
+          throw std::invalid_argument("decode kernel: expected 1, 2 or 3, got " +
                                       std::to_string(kernel));
         }
         jax_kv::g_decode_kernel.store(kernel, std::memory_order_relaxed);
       },
       nb::arg("kernel"),
-      "Selects the decode kernel (1 or 2) the handler launches from now on; a CUDA graph "
+      "Selects the decode kernel (1, 2 or 3) the handler launches from now on; a CUDA graph "
       "recorded earlier keeps its kernel.");
   m.def(
       "decode_kernel", []() { return jax_kv::g_decode_kernel.load(std::memory_order_relaxed); },
-      "The decode kernel (1 or 2) the handler launches.");
+      "The decode kernel (1, 2 or 3) the handler launches.");
   m.def(
       "set_decode_v2_ctas",
       [](const std::string& shape) {
@@ -145,8 +145,15 @@ NB_MODULE(_ffi_cuda, m) {
         }
         jax_kv::GqaDecodePlan plan{jax_kv::GqaDecodeNumSplits(batch, num_q_heads, num_kv_heads), 16,
                                    32};
-        if (jax_kv::g_decode_kernel.load(std::memory_order_relaxed) == 2) {
-          plan = jax_kv::GqaDecodeV2Plan(batch, num_q_heads, num_kv_heads, head_dim, itemsize);
+        switch (jax_kv::g_decode_kernel.load(std::memory_order_relaxed)) {
+          case 2:
+            plan = jax_kv::GqaDecodeV2Plan(batch, num_q_heads, num_kv_heads, head_dim, itemsize);
+            break;
+          case 3:
+            plan = jax_kv::GqaDecodeMmaPlan(batch, num_q_heads, num_kv_heads, head_dim, itemsize);
+            break;
+          default:
+            break;
         }
         return nb::make_tuple(plan.num_splits, plan.chunk_multiple, plan.min_chunk);
       },

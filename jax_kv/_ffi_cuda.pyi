@@ -19,10 +19,11 @@ def num_splits(batch: int, num_q_heads: int, num_kv_heads: int) -> int:
     """Split count decode kernel 1 uses on the current device."""
 
 def set_decode_kernel(kernel: int) -> None:
-    """Selects the decode kernel (1 or 2) the handler launches from now on; ValueError otherwise."""
+    """Selects the decode kernel (1, 2 or 3) the handler launches from now on; ValueError
+    otherwise."""
 
 def decode_kernel() -> int:
-    """The decode kernel (1 or 2) the handler launches."""
+    """The decode kernel (1, 2 or 3) the handler launches."""
 
 def set_decode_v2_ctas(shape: str) -> None:
     """Decode kernel 2's CTA shape: "auto" (wide CTAs where B * Hkv is under the SM count),

@@ -71,8 +71,8 @@ def _commit_ahead(name: str, raw: str) -> int:
 
 def _decode_kernel(name: str, raw: str) -> int:
     value = _parse_int(name, raw)
-    if value not in (1, 2):
-        raise ConfigError(f"{name}: expected 1 or 2, got {raw!r}")
+    if value not in (1, 2, 3):
+        raise ConfigError(f"{name}: expected 1, 2 or 3, got {raw!r}")
     return value
 
 

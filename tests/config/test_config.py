@@ -54,7 +54,7 @@ def test_parses_each_variable():
         ("JAX_KV_RESERVE_BYTES", "-1"),
         ("JAX_KV_RESERVE_BYTES", "12X"),
         ("JAX_KV_COMMIT_AHEAD", "0"),
-        ("JAX_KV_DECODE_KERNEL", "3"),
+        ("JAX_KV_DECODE_KERNEL", "4"),
         ("JAX_KV_DECODE_KERNEL", "v2"),
         ("JAX_KV_MATVEC", "yes"),
     ],

@@ -1,9 +1,9 @@
 """The CUDA handlers against the CPU handlers and the float64 reference: both layouts, every
 dtype, GQA ratios 1..8 and 7, head dims, lengths at split-chunk edges, ragged prefill, window,
 softcap; the device-side status path; the host-call counter as the CUDA-graph replay signal.
-Every decode test runs once per CUDA decode kernel and CTA shape (kernel 1, kernel 2 with
-narrow and with wide CTAs: the `decode_kernel` fixture forces the shape that kernel 2's auto
-rule would pick for only some of the shapes).
+Every decode test runs once per CUDA decode kernel and CTA shape (kernel 1, kernels 2 and 3
+with narrow and with wide CTAs: the `decode_kernel` fixture forces the shape that the auto rule
+would pick for only some of the shapes; kernel 3 hands f32 and D=256 to kernel 2).
 
 Run twice, with command buffers forced on (XLA_FLAGS=--xla_gpu_graph_min_graph_size=1) and
 off (--xla_gpu_enable_command_buffer=); the counter test starts its own processes for both.
@@ -37,7 +37,8 @@ dtype_ids = lambda d: jnp.dtype(d).name  # noqa: E731
 
 
 @pytest.fixture(
-    params=[(1, "auto"), (2, "narrow"), (2, "wide")], ids=lambda k: f"kernel{k[0]}-{k[1]}"
+    params=[(1, "auto"), (2, "narrow"), (2, "wide"), (3, "narrow"), (3, "wide")],
+    ids=lambda k: f"kernel{k[0]}-{k[1]}",
 )
 def decode_kernel(request):
     """Selects CUDA decode kernel 1 or 2 (and kernel 2's CTA shape) for one test and restores
@@ -321,9 +322,9 @@ def test_grow_status_out_of_range(rng):
 def test_decode_kernel_selection():
     mod = cuda_module()
     before = mod.decode_kernel()
-    assert before in (1, 2)
-    with pytest.raises(ValueError, match="expected 1 or 2"):
-        mod.set_decode_kernel(3)
+    assert before in (1, 2, 3)
+    with pytest.raises(ValueError, match="expected 1, 2 or 3"):
+        mod.set_decode_kernel(4)
     assert mod.decode_kernel() == before
     with pytest.raises(ValueError, match="'auto', 'narrow' or 'wide'"):
         mod.set_decode_v2_ctas("medium")
@@ -345,6 +346,13 @@ def test_decode_kernel_selection():
         mod.set_decode_v2_ctas("auto")
         assert mod.decode_plan(1, 32, 8, 128, 2) == wide_small
         assert mod.decode_plan(128, 32, 8, 128, 2) == narrow_large
+        # Kernel 3: 16-row warp tiles (4 and 8 warps); f32 and D=256 take kernel 2's plan.
+        k2_f32, k2_d256 = mod.decode_plan(1, 32, 8, 128, 4), mod.decode_plan(1, 32, 8, 256, 2)
+        mod.set_decode_kernel(3)
+        assert mod.decode_plan(128, 32, 8, 128, 2)[1] == 64
+        assert mod.decode_plan(1, 32, 8, 128, 2)[1] == 128
+        assert mod.decode_plan(1, 32, 8, 128, 4) == k2_f32
+        assert mod.decode_plan(1, 32, 8, 256, 2) == k2_d256
     finally:
         mod.set_decode_kernel(before)
         mod.set_decode_v2_ctas("auto")

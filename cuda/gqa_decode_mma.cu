@@ -1,0 +1,427 @@
+// GQA decode, kernel 3: kernel 2's one-launch split-K grid and per-warp cp.async rings, with the
+// tile math on tensor cores (mma.sync m16n8k16, f32 accumulation). bf16 and f16 at head dims
+// 64/80/96/128; f32 and head dim 256 run kernel 2.
+//
+// Why (bench/NOTES.md, "Decode kernel 3"): kernel 2 spends ~76 issued instructions per K/V row
+// at group 4 (64 FFMA, 16 unpacks, q reads from shared memory, shuffles) against an issue budget
+// of ~124 per row at 4.3 TB/s, and its large rows track its instruction count (3.1 TB/s at 98
+// per row in kernel 1, 3.8 at 76). Here one warp tile is 16 rows; per tile and k-step of 16
+// head-dim columns, one ldmatrix of K and two mmas give every score of the CTA's query heads,
+// and per 16 columns of V one transposed ldmatrix and one mma the P.V update: ~10 instructions
+// per row at D=128 whatever the group.
+//
+// The mma shapes (M=16, N=8, K=16; q.k with the query heads as M):
+//   S^T [g, rows]  = q [g, D] . K^T [D, rows]    A = q (rows g >= 8 zero), B = K via ldmatrix
+//   O^T [D, g]    += V^T [D, rows] . P^T [rows, g]  A = V via ldmatrix.trans, B = P
+// S^T's accumulator layout (lane holds query head lane / 4, rows 2 (lane % 4) + {0, 1} of each
+// 8-row half) is exactly the B fragment of P^T, so P never leaves registers: no shared memory,
+// no shuffles between the two products. P is rounded to the input type for the second mma (as
+// FlashAttention does); its row sums stay f32. Scores are scaled in f32 after the product, so q
+// enters the mma as given.
+#include <atomic>
+#include <type_traits>
+
+#include "cuda/cp_async.cuh"
+#include "cuda/gqa_decode_split.cuh"
+
+namespace jax_kv {
+
+namespace {
+
+using namespace split_decode;
+
+constexpr int kTileRows = 16;  // K/V rows of one warp tile: N of two q.k mmas, K of one P.V mma
+constexpr int kStages = 3;     // ring depth: two tiles in flight while the third is computed
+constexpr int kNarrowWarps = 4;
+constexpr int kWideWarps = 8;  // one wide CTA per SM at D=128: 8 x 3 x 8 KB of rings
+
+// A tile row is kUnits 16-byte units. Rows of a multiple of 8 units are XOR-swizzled (unit u of
+// row r stored at u ^ (r & 7)), others padded to an odd stride: either way the 8 row addresses
+// of one ldmatrix matrix fall in 8 distinct 16-byte bank groups.
+template <typename T, int HEAD_DIM, int WARPS>
+struct MmaShape {
+  static_assert(sizeof(T) == 2, "tensor-core decode takes bf16 or f16");
+  static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= 128, "head dim: whole k-steps, acc in registers");
+  static constexpr int kThreads = 32 * WARPS;
+  static constexpr int kUnits = HEAD_DIM / 8;
+  static constexpr int kSteps = HEAD_DIM / 16;  // q.k k-steps = P.V m-tiles
+  static constexpr bool kSwizzle = kUnits % 8 == 0;
+  static constexpr int kStride = kSwizzle || kUnits % 2 == 1 ? kUnits : kUnits + 1;
+  static constexpr int kTensorUnits = kTileRows * kStride;  // K (or V) of one stage
+  static constexpr int kStageUnits = 2 * kTensorUnits;
+  static constexpr int kCtaRows = kTileRows * WARPS;
+  static constexpr int kLdCols = (kUnits + 3) / 4;  // cp.async: 8 rows x 4 units per pass
+  static constexpr int kRingBytes = WARPS * kStages * kStageUnits * 16;
+  // The ring is reused for the warps' merge and the combine weights once the loop is done.
+  static constexpr int kMergeBytes = WARPS * kMaxGroup * HEAD_DIM * 4;
+  static constexpr int kWeightBytes = kMaxGroup * kMaxSplits * 4;
+  static constexpr int kSmemBytes = kRingBytes > kMergeBytes
+                                        ? (kRingBytes > kWeightBytes ? kRingBytes : kWeightBytes)
+                                        : (kMergeBytes > kWeightBytes ? kMergeBytes : kWeightBytes);
+  // Resident CTAs the register cap is set for: what shared memory allows (1 KB reserved per CTA
+  // plus ~0.6 KB of static shared memory), at most 4.
+  static constexpr int kMinBlocks = (227 * 1024) / (kSmemBytes + 2048) < 1 ? 1
+                                    : (227 * 1024) / (kSmemBytes + 2048) > 4
+                                        ? 4
+                                        : (227 * 1024) / (kSmemBytes + 2048);
+  __host__ __device__ static constexpr int Unit(int row, int u) {
+    return row * kStride + (kSwizzle ? (u ^ (row & 7)) : u);
+  }
+};
+
+// The fewest rows a split covers. Narrow grids have a (b, KV head) per SM already: 4 CTA tiles.
+// Wide: kWideMinSplitBytes of K+V, so a short context is one split with no merge.
+template <typename T, int HEAD_DIM, int WARPS>
+constexpr int MmaMinChunkRows() {
+  using Sh = MmaShape<T, HEAD_DIM, WARPS>;
+  if (WARPS == kNarrowWarps) return 4 * Sh::kCtaRows;
+  const int tiles = (kWideMinSplitBytes / (2 * HEAD_DIM * 2) + Sh::kCtaRows - 1) / Sh::kCtaRows;
+  return (tiles > 1 ? tiles : 1) * Sh::kCtaRows;
+}
+
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+// d += a . b for one m16n8k16 tile, f32 accumulators; a = {a0a1, a2a3, a4a5, a6a7}.
+template <typename T>
+__device__ __forceinline__ void Mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                    uint32_t a3, uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// Two floats -> one register of T (lo in the low half: the smaller k index of a fragment pair).
+template <typename T>
+__device__ __forceinline__ uint32_t Pack2(float lo, float hi) {
+  uint32_t r;
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    r = *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    r = *reinterpret_cast<const uint32_t*>(&v);
+  }
+  return r;
+}
+
+__device__ __forceinline__ float Exp2Approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <typename T, int HEAD_DIM, int WARPS>
+__global__ void __launch_bounds__(32 * WARPS, (MmaShape<T, HEAD_DIM, WARPS>::kMinBlocks))
+    GqaDecodeMmaKernel(const GqaParams<T> p, int num_splits, int head_chunks, int min_chunk) {
+  using Sh = MmaShape<T, HEAD_DIM, WARPS>;
+  constexpr int G = kMaxGroup;
+  constexpr int kSteps = Sh::kSteps;
+  static_assert(Sh::kSmemBytes <= 227 * 1024, "an SM's opt-in limit");
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  __shared__ float sm_m[WARPS][G], sm_l[WARPS][G];
+
+  DecodeCta c;
+  if (!BeginDecodeCta<T, HEAD_DIM, G, Sh::kThreads>(p, num_splits, head_chunks, Sh::kCtaRows,
+                                                    min_chunk, c)) {
+    return;
+  }
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int quad = lane / 4, ql = lane % 4;  // fragment row (a query head) and column pair
+
+  const int first = c.c0 + warp * kTileRows;  // warps interleave over the chunk's tiles
+  const int num_tiles = first < c.c1 ? (c.c1 - first + Sh::kCtaRows - 1) / Sh::kCtaRows : 0;
+  const int64_t head_off = kv_offset(p.cache, c.b, 0, c.hkv);
+  const T* k_head = p.k_cache + head_off;
+  const T* v_head = p.v_cache + head_off;
+  const int lim = min(c.c1, c.L);  // rows from here on are zero-filled (row L: patched below)
+
+  // cp.async: the lane copies tile rows (lane % 8) + 8 i into stored units (lane / 8) + 4 j.
+  // Under the swizzle the stored unit s of row r holds row unit s ^ (r & 7), and r & 7 is the
+  // same for both of the lane's rows: the XOR moves to the global side, computed once here, and
+  // every shared target is a constant away from the lane's first.
+  const int ld_row = lane % 8, ld_s = lane / 8;
+  int ld_elem[Sh::kLdCols];
+#pragma unroll
+  for (int j = 0; j < Sh::kLdCols; ++j) {
+    ld_elem[j] = ((ld_s + 4 * j) ^ (Sh::kSwizzle ? ld_row : 0)) * 8;
+  }
+  const uint32_t ring = SmemAddr(smem_raw) + warp * kStages * Sh::kStageUnits * 16;
+  const uint32_t ld_lane = ring + (ld_row * Sh::kStride + ld_s) * 16;
+  int issue_left = num_tiles, issue_row = first + ld_row;
+  uint32_t issue_slot = 0;
+  auto issue = [&]() {
+    if (issue_left > 0) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int row = issue_row + 8 * i;
+        const bool ok = row < lim;
+        // Rows past L keep the address of row L (never read: zero-fill), so no copy ever names
+        // a position outside [0, S).
+        const int64_t off = static_cast<int64_t>(min(row, c.L)) * p.cache.s;
+#pragma unroll
+        for (int j = 0; j < Sh::kLdCols; ++j) {
+          if (Sh::kUnits % 4 == 0 || ld_s + 4 * j < Sh::kUnits) {
+            const uint32_t dst = ld_lane + issue_slot + (8 * i * Sh::kStride + 4 * j) * 16;
+            CpAsync16(dst, k_head + off + ld_elem[j], ok);
+            CpAsync16(dst + Sh::kTensorUnits * 16, v_head + off + ld_elem[j], ok);
+          }
+        }
+      }
+      issue_row += Sh::kCtaRows;
+      issue_slot += Sh::kStageUnits * 16;
+      if (issue_slot == kStages * Sh::kStageUnits * 16) issue_slot = 0;
+      --issue_left;
+    }
+    CpAsyncCommit();
+  };
+#pragma unroll
+  for (int t = 0; t < kStages - 1; ++t) issue();
+
+  // q as the A operand of S^T: lane holds head `quad`, columns 16 kk + 2 ql + {0, 1} and + 8;
+  // rows 8..15 of A (a1, a3) are zero, as are heads past ng.
+  uint32_t qa[kSteps][2];
+  {
+    const bool has = quad < c.ng;
+    const T* qg =
+        p.q + (static_cast<int64_t>(c.b) * p.num_q_heads + c.qh0 + (has ? quad : 0)) * HEAD_DIM;
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) {
+      qa[kk][0] = has ? __ldg(reinterpret_cast<const uint32_t*>(qg + 16 * kk + 2 * ql)) : 0u;
+      qa[kk][1] = has ? __ldg(reinterpret_cast<const uint32_t*>(qg + 16 * kk + 8 + 2 * ql)) : 0u;
+    }
+  }
+  // Scores in log2 units: s * scale * log2 e, or with softcap, softcap * log2 e * tanh(s *
+  // scale / softcap).
+  const bool use_softcap = p.softcap > 0.0f;
+  const float s_mul = use_softcap ? p.scale / p.softcap : p.scale * kLog2e;
+  const float cap_log2 = p.softcap * kLog2e;
+
+  // ldmatrix: matrix i = lane / 8 of an x4 is tile rows (i / 2) * 8 + lane % 8, unit 2 x + i % 2
+  // (x: the k-step for K, the m-tile for V). Offsets of x = 0..3; x + 4 adds 8 units (128 B).
+  const int lm_row = (lane / 16) * 8 + lane % 8, lm_u = (lane / 8) % 2;
+  uint32_t lm_off[4];
+#pragma unroll
+  for (int x = 0; x < 4; ++x) lm_off[x] = Sh::Unit(lm_row, 2 * x + lm_u) * 16;
+
+  float m_run = kMaxSentinel, l_run = 0.0f;  // query head `quad`, same in its 4 lanes
+  float acc[kSteps][4];  // O^T: d = 16 mt + quad (+ 8 for [2], [3]), head 2 ql (+ 1 for [1], [3])
+#pragma unroll
+  for (int mt = 0; mt < kSteps; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
+
+  auto attend = [&](auto softcap_tag) {
+    constexpr bool SOFTCAP = decltype(softcap_tag)::value;
+    uint32_t slot = 0;
+    int base = first;
+    for (int t = 0; t < num_tiles; ++t, base += Sh::kCtaRows) {
+      issue();
+      CpAsyncWait<kStages - 1>();
+      __syncwarp();  // every lane's copies of tile t are visible to the whole warp
+      const uint32_t kt = ring + slot;
+      const uint32_t vt = kt + Sh::kTensorUnits * 16;
+      const int row_l = c.L - base;
+      if (row_l >= 0 && row_l < kTileRows) {  // warp-uniform: once, in the split that holds L
+        uint4* kp = reinterpret_cast<uint4*>(smem_raw + (kt - SmemAddr(smem_raw)));
+        const int64_t src = (static_cast<int64_t>(c.b) * p.num_kv_heads + c.hkv) * HEAD_DIM;
+        for (int u = lane; u < Sh::kUnits; u += 32) {
+          kp[Sh::Unit(row_l, u)] = ldg16(p.k_new + src + u * 8);
+          kp[Sh::kTensorUnits + Sh::Unit(row_l, u)] = ldg16(p.v_new + src + u * 8);
+        }
+        __syncwarp();
+      }
+      slot += Sh::kStageUnits * 16;
+      if (slot == kStages * Sh::kStageUnits * 16) slot = 0;
+
+      float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+      for (int kk = 0; kk < kSteps; ++kk) {
+        uint32_t kb[4];  // rows 0-7 | units 2kk, 2kk+1; rows 8-15 | the same
+        LdMatrixX4(kb, kt + lm_off[kk % 4] + 128 * (kk / 4));
+        Mma<T>(s[0], qa[kk][0], 0u, qa[kk][1], 0u, kb[0], kb[1]);
+        Mma<T>(s[1], qa[kk][0], 0u, qa[kk][1], 0u, kb[2], kb[3]);
+      }
+      // s[h][j]: head quad, tile row 8 h + 2 ql + j ([2], [3]: the zero rows of A, unused).
+      float x[2][2], mx = -INFINITY;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          float v = s[h][j] * s_mul;
+          if constexpr (SOFTCAP) v = cap_log2 * TanhBranchless(v);
+          x[h][j] = base + 8 * h + 2 * ql + j < c.c1 ? v : -INFINITY;
+          mx = fmaxf(mx, x[h][j]);
+        }
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run, mx);
+      const float corr = Exp2Approx(m_run - m_new);
+      m_run = m_new;
+      float pr[2][2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) pr[h][j] = Exp2Approx(x[h][j] - m_new);  // -inf -> 0
+      }
+      l_run = l_run * corr + ((pr[0][0] + pr[0][1]) + (pr[1][0] + pr[1][1]));
+      // acc's heads are 2 ql + {0, 1}; their corrections sit in lanes 4 (2 ql + j).
+      const float corr0 = __shfl_sync(0xffffffffu, corr, 8 * ql);
+      const float corr1 = __shfl_sync(0xffffffffu, corr, 8 * ql + 4);
+      if (!__all_sync(0xffffffffu, corr0 == 1.0f && corr1 == 1.0f)) {
+#pragma unroll
+        for (int mt = 0; mt < kSteps; ++mt) {
+          acc[mt][0] *= corr0;
+          acc[mt][1] *= corr1;
+          acc[mt][2] *= corr0;
+          acc[mt][3] *= corr1;
+        }
+      }
+      // P^T's B fragment: rows 2 ql + {0, 1} and + 8, head quad: the accumulators just made.
+      const uint32_t pb0 = Pack2<T>(pr[0][0], pr[0][1]);
+      const uint32_t pb1 = Pack2<T>(pr[1][0], pr[1][1]);
+#pragma unroll
+      for (int mt = 0; mt < kSteps; ++mt) {
+        uint32_t va[4];  // V^T [16 mt.., rows]: d 0-7 | rows 0-7, d 8-15 | rows 0-7, then 8-15
+        LdMatrixX4Trans(va, vt + lm_off[mt % 4] + 128 * (mt / 4));
+        Mma<T>(acc[mt], va[0], va[1], va[2], va[3], pb0, pb1);
+      }
+      __syncwarp();  // tile t's slot is refilled by the next iteration's issue
+    }
+  };
+  if (use_softcap) {
+    attend(std::true_type{});
+  } else {
+    attend(std::false_type{});
+  }
+  CpAsyncWait<0>();
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+
+  // The warps' partials through shared memory (the ring is free once every warp is done).
+  __syncthreads();
+  float* sm_acc = reinterpret_cast<float*>(smem_raw);  // [WARPS][G][HEAD_DIM]
+#pragma unroll
+  for (int mt = 0; mt < kSteps; ++mt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int g = 2 * ql + (e & 1), d = 16 * mt + quad + 8 * (e >> 1);
+      sm_acc[(warp * G + g) * HEAD_DIM + d] = acc[mt][e];
+    }
+  }
+  if (ql == 0) {
+    sm_m[warp][quad] = m_run;
+    sm_l[warp][quad] = l_run;
+  }
+  __syncthreads();
+  EndDecodeCta<T, HEAD_DIM, G, WARPS>(p, c, num_splits, sm_m, sm_l, smem_raw);
+}
+
+template <typename T, int HEAD_DIM, int WARPS>
+GqaDecodePlan PlanFor(int64_t ctas) {
+  using Sh = MmaShape<T, HEAD_DIM, WARPS>;
+  return GqaDecodePlan{SplitsForCtas(ctas, CtasPerSm(Sh::kSmemBytes, Sh::kMinBlocks)), Sh::kCtaRows,
+                       MmaMinChunkRows<T, HEAD_DIM, WARPS>()};
+}
+
+template <typename T, int HEAD_DIM, int WARPS>
+cudaError_t LaunchInstance(const GqaParams<T>& p, int chunks, cudaStream_t stream) {
+  using Sh = MmaShape<T, HEAD_DIM, WARPS>;
+  const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * chunks;
+  return LaunchSplitDecode<GqaDecodeMmaKernel<T, HEAD_DIM, WARPS>>(
+      p, chunks, Sh::kThreads, Sh::kSmemBytes, PlanFor<T, HEAD_DIM, WARPS>(ctas), stream);
+}
+
+// Head dims the tensor-core kernel takes; the rest (and f32) run kernel 2.
+bool MmaHeadDim(int head_dim) {
+  return head_dim == 64 || head_dim == 80 || head_dim == 96 || head_dim == 128;
+}
+
+template <typename T, typename Fn>
+auto WithMmaShape(int head_dim, int64_t ctas, const Fn& fn) {
+  const bool wide = UseWide(ctas);
+  switch (head_dim) {
+    case 64:
+      return wide ? fn.template operator()<64, kWideWarps>()
+                  : fn.template operator()<64, kNarrowWarps>();
+    case 80:
+      return wide ? fn.template operator()<80, kWideWarps>()
+                  : fn.template operator()<80, kNarrowWarps>();
+    case 96:
+      return wide ? fn.template operator()<96, kWideWarps>()
+                  : fn.template operator()<96, kNarrowWarps>();
+    default:
+      return wide ? fn.template operator()<128, kWideWarps>()
+                  : fn.template operator()<128, kNarrowWarps>();
+  }
+}
+
+template <typename T>
+struct Launch {
+  const GqaParams<T>& p;
+  int chunks;
+  cudaStream_t stream;
+  template <int HEAD_DIM, int WARPS>
+  cudaError_t operator()() const {
+    return LaunchInstance<T, HEAD_DIM, WARPS>(p, chunks, stream);
+  }
+};
+
+struct Plan {
+  int64_t ctas;
+  template <int HEAD_DIM, int WARPS>
+  GqaDecodePlan operator()() const {
+    return PlanFor<bf16_t, HEAD_DIM, WARPS>(ctas);  // bf16 and f16 tile alike
+  }
+};
+
+}  // namespace
+
+GqaDecodePlan GqaDecodeMmaPlan(int batch, int num_q_heads, int num_kv_heads, int head_dim,
+                               int itemsize) {
+  if (itemsize != 2 || !MmaHeadDim(head_dim)) {
+    return GqaDecodeV2Plan(batch, num_q_heads, num_kv_heads, head_dim, itemsize);
+  }
+  const int group = num_q_heads / std::max(1, num_kv_heads);
+  const int64_t ctas = static_cast<int64_t>(batch) * num_kv_heads * HeadChunks(group);
+  return WithMmaShape<bf16_t>(head_dim, ctas, Plan{ctas});
+}
+
+template <typename T>
+cudaError_t LaunchGqaDecodeMma(const GqaParams<T>& p, cudaStream_t stream) {
+  if constexpr (std::is_same_v<T, float>) {
+    return LaunchGqaDecodeV2<T>(p, stream);
+  } else {
+    if (!MmaHeadDim(p.head_dim)) return LaunchGqaDecodeV2<T>(p, stream);
+    if (p.batch <= 0 || p.num_q_heads <= 0) return cudaSuccess;
+    const int chunks = HeadChunks(p.num_q_heads / p.num_kv_heads);
+    if (p.batch > 65535 || p.num_kv_heads * chunks > 65535) return cudaErrorInvalidConfiguration;
+    const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * chunks;
+    return WithMmaShape<T>(p.head_dim, ctas, Launch<T>{p, chunks, stream});
+  }
+}
+
+template cudaError_t LaunchGqaDecodeMma<float>(const GqaParams<float>&, cudaStream_t);
+template cudaError_t LaunchGqaDecodeMma<bf16_t>(const GqaParams<bf16_t>&, cudaStream_t);
+template cudaError_t LaunchGqaDecodeMma<f16_t>(const GqaParams<f16_t>&, cudaStream_t);
+
+}  // namespace jax_kv

@@ -1,0 +1,235 @@
+// What the one-launch split-K decode kernels share (kernel 2, cuda/gqa_decode_v2.cu: CUDA-core
+// math; kernel 3, cuda/gqa_decode_mma.cu: tensor-core math): the split plan computed on the
+// device from lengths, the CTA's start (status, NaN rows for a bad length, the fused append),
+// its end (the warps' partials merged, the split stored, the last CTA of each (b, KV head, head
+// chunk) merging the splits) and the host's grid choice. Only the tile loop differs.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+#include "cuda/device_info.h"
+#include "cuda/gqa_decode.cuh"
+#include "cuda/kernel_common.cuh"
+
+namespace jax_kv {
+namespace split_decode {
+
+constexpr int kMaxGroup = 8;      // query heads per CTA; more take several head chunks
+constexpr int kMaxSplits = 256;   // as kernel 1: beyond it partials traffic outgrows the gain
+constexpr int kMaxCtasPerSm = 4;  // the most any instantiation keeps resident (workspace bound)
+// Fewest K+V bytes a wide CTA's split covers: with a one-tile floor, Qwen2.5-0.5B at B=1 (~300
+// live, Hkv=2) ran 3 splits and a merge, 7.5 us a layer, a chain of ~8 dependent global round
+// trips (length, q, K/V, partials, fence, counter, partials again, out); a lone split skips the
+// last five (bench/NOTES.md, "kernel 2, wide CTAs").
+constexpr int kWideMinSplitBytes = 128 * 1024;
+
+constexpr int Pow2Ceil(int x) {
+  int p = 1;
+  while (p < x) p <<= 1;
+  return p;
+}
+
+struct SplitPlan {
+  int lo, n, chunk, active;
+};
+
+// Chunks are whole CTA tiles (cta_rows rows), at least min_chunk rows; the combine recomputes
+// nothing else, so the splits and the last CTA always agree.
+__device__ __forceinline__ SplitPlan PlanSplits(int L, int window, int num_splits, int cta_rows,
+                                                int min_chunk) {
+  SplitPlan s;
+  s.lo = window > 0 ? max(0, L + 1 - window) : 0;
+  s.n = L + 1 - s.lo;
+  const int chunk = (s.n + num_splits - 1) / num_splits;
+  s.chunk = max(min_chunk, (chunk + cta_rows - 1) / cta_rows * cta_rows);
+  s.active = (s.n + s.chunk - 1) / s.chunk;
+  return s;
+}
+
+// One CTA of the grid (splits, Hkv * head chunks, B): its coordinates, its query heads and the
+// positions [c0, c1) it attends over.
+struct DecodeCta {
+  int split, hkv, b, qh0, ng, L, c0, c1, active;
+};
+
+// Starts a CTA: status for its b (from exactly one CTA per b, so status needs no memset), NaN
+// rows for a bad length (cache untouched, no counter touched), the split plan, and the fused
+// append of the new K/V at slot L (split 0 of head chunk 0; no CTA of this launch reads slot L
+// from the cache: the owner reads k/v instead). Returns false when the CTA has nothing to do.
+template <typename T, int HEAD_DIM, int GROUP, int THREADS>
+__device__ __forceinline__ bool BeginDecodeCta(const GqaParams<T>& p, int num_splits,
+                                               int head_chunks, int cta_rows, int min_chunk,
+                                               DecodeCta& c) {
+  const int tid = threadIdx.x;
+  c.split = blockIdx.x;
+  c.hkv = blockIdx.y / head_chunks;
+  const int head_chunk = blockIdx.y % head_chunks;
+  c.b = blockIdx.z;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int g0 = head_chunk * GROUP;
+  c.ng = min(GROUP, group - g0);
+  c.qh0 = c.hkv * group + g0;
+  c.L = p.lengths[c.b];
+  const bool bad = c.L < 0 || c.L >= p.capacity;
+  if (c.split == 0 && blockIdx.y == 0 && tid == 0) {
+    p.status[c.b] = bad ? JKV_STATUS_LENGTH_OUT_OF_RANGE : JKV_STATUS_OK;
+  }
+  if (bad) {
+    if (c.split == 0) {
+      T* out_rows = p.out + (static_cast<int64_t>(c.b) * p.num_q_heads + c.qh0) * HEAD_DIM;
+      for (int i = tid; i < c.ng * HEAD_DIM; i += THREADS)
+        out_rows[i] = from_f32<T>(__int_as_float(0x7fc00000));
+    }
+    return false;
+  }
+  const SplitPlan plan = PlanSplits(c.L, p.window, num_splits, cta_rows, min_chunk);
+  c.active = plan.active;
+  if (c.split >= plan.active) return false;
+  c.c0 = plan.lo + c.split * plan.chunk;
+  c.c1 = min(plan.lo + plan.n, c.c0 + plan.chunk);  // exclusive
+  constexpr int kUnits = HEAD_DIM / VecOf<T>::kElems;
+  if (c.split == 0 && head_chunk == 0 && tid < kUnits) {
+    const int64_t src = (static_cast<int64_t>(c.b) * p.num_kv_heads + c.hkv) * HEAD_DIM;
+    const int64_t dst = kv_offset(p.cache, c.b, c.L, c.hkv) + tid * VecOf<T>::kElems;
+    stg16(p.k_cache + dst, ldg16(p.k_new + src + tid * VecOf<T>::kElems));
+    stg16(p.v_cache + dst, ldg16(p.v_new + src + tid * VecOf<T>::kElems));
+  }
+  return true;
+}
+
+// Ends a CTA once its warps have left (m, l) in sm_m / sm_l and acc in sm_acc
+// ([WARPS][GROUP][HEAD_DIM] f32 at the start of dynamic shared memory, `smem`, which must hold
+// GROUP * kMaxSplits floats too) and synchronized: the CTA's result goes to the output rows when
+// it is the lone active split, else to the workspace, and the last split of its (b, KV head,
+// head chunk) to arrive merges them all (threadFenceReduction's pattern: publish, fence, count;
+// the last to count reads everything after a fence).
+template <typename T, int HEAD_DIM, int GROUP, int WARPS>
+__device__ __forceinline__ void EndDecodeCta(const GqaParams<T>& p, const DecodeCta& c,
+                                             int num_splits, const float (&sm_m)[WARPS][GROUP],
+                                             const float (&sm_l)[WARPS][GROUP],
+                                             unsigned char* smem) {
+  constexpr int kThreads = 32 * WARPS;
+  __shared__ float inv_s[GROUP];
+  __shared__ int s_last;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  T* out_rows = p.out + (static_cast<int64_t>(c.b) * p.num_q_heads + c.qh0) * HEAD_DIM;
+  const int store_splits = c.active == 1 ? 1 : num_splits;
+  StoreDecodeSplit<T, HEAD_DIM, GROUP, WARPS, kThreads>(
+      p, sm_m, sm_l, reinterpret_cast<const float*>(smem), c.b, c.qh0, c.ng, c.split, store_splits,
+      out_rows);
+  if (store_splits == 1) return;
+  const int64_t bh0 = static_cast<int64_t>(c.b) * p.num_q_heads + c.qh0;
+  const int64_t ml_base = static_cast<int64_t>(p.batch) * p.num_q_heads * num_splits * HEAD_DIM;
+  const int64_t counter_base =
+      ml_base + static_cast<int64_t>(p.batch) * p.num_q_heads * num_splits * 2;
+  unsigned* counter = reinterpret_cast<unsigned*>(p.workspace + counter_base) +
+                      (static_cast<int64_t>(c.b) * gridDim.y + blockIdx.y);
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) s_last = atomicAdd(counter, 1u) == static_cast<unsigned>(c.active - 1);
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  float* weight = reinterpret_cast<float*>(smem);  // [GROUP][kMaxSplits]; sm_acc is done
+  for (int g = warp; g < c.ng; g += WARPS) {
+    const float* ml = p.workspace + ml_base + (bh0 + g) * num_splits * 2;
+    float mx = kMaxSentinel;
+    for (int s = lane; s < c.active; s += 32) mx = fmaxf(mx, __ldcg(ml + 2 * s));
+    mx = WarpReduce(mx, [](float a, float o) { return fmaxf(a, o); });
+    float lsum = 0.0f;
+    for (int s = lane; s < c.active; s += 32) {
+      const float w = exp2f(__ldcg(ml + 2 * s) - mx);
+      weight[g * kMaxSplits + s] = w;
+      lsum += __ldcg(ml + 2 * s + 1) * w;
+    }
+    lsum = WarpReduce(lsum, [](float a, float o) { return a + o; });
+    if (lane == 0) inv_s[g] = 1.0f / lsum;
+  }
+  __syncthreads();
+  // 16-byte partial reads, 16 splits in flight per thread: the merge is a chain of dependent
+  // L2 round trips otherwise (one per split per thread).
+  constexpr int kD4 = HEAD_DIM / 4;
+  for (int i = tid; i < c.ng * kD4; i += kThreads) {
+    const int g = i / kD4, d4 = i % kD4;
+    const float4* a =
+        reinterpret_cast<const float4*>(p.workspace + (bh0 + g) * num_splits * HEAD_DIM) + d4;
+    const float* wg = weight + g * kMaxSplits;
+    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 16
+    for (int s = 0; s < c.active; ++s) {
+      const float4 x = __ldcg(a + static_cast<int64_t>(s) * kD4);
+      const float w = wg[s];
+      sum.x = fmaf(x.x, w, sum.x);
+      sum.y = fmaf(x.y, w, sum.y);
+      sum.z = fmaf(x.z, w, sum.z);
+      sum.w = fmaf(x.w, w, sum.w);
+    }
+    const float inv = inv_s[g];
+    T* o = out_rows + g * HEAD_DIM + d4 * 4;
+    o[0] = from_f32<T>(sum.x * inv);
+    o[1] = from_f32<T>(sum.y * inv);
+    o[2] = from_f32<T>(sum.z * inv);
+    o[3] = from_f32<T>(sum.w * inv);
+  }
+  if (tid == 0) *counter = 0u;  // tidy; the launcher zeroes the counters before every launch
+}
+
+// ---- host side ----
+
+inline int HeadChunks(int group) { return (group + kMaxGroup - 1) / kMaxGroup; }
+
+inline int CtasPerSm(int smem_bytes, int max_by_registers) {
+  return std::max(1, std::min(max_by_registers, CurrentDeviceCtasBySmem(smem_bytes)));
+}
+
+inline int SplitsForCtas(int64_t ctas, int ctas_per_sm) {
+  const int64_t target = static_cast<int64_t>(ctas_per_sm) * CurrentDeviceSmCount();
+  // floor, not ceil: a grid just over one wave would leave most SMs idle in its second wave.
+  const int64_t s = target / std::max<int64_t>(1, ctas);
+  return static_cast<int>(std::min<int64_t>(kMaxSplits, std::max<int64_t>(1, s)));
+}
+
+// Wide CTAs (one per SM) where the (b, KV head, head chunk) CTAs are fewer than the SMs, unless
+// set_decode_v2_ctas forced a shape.
+inline bool UseWide(int64_t ctas) {
+  switch (g_decode_v2_ctas.load(std::memory_order_relaxed)) {
+    case kDecodeV2Narrow:
+      return false;
+    case kDecodeV2Wide:
+      return true;
+    default:
+      return ctas < CurrentDeviceSmCount();
+  }
+}
+
+// Zeroes the split counters (a one-CTA kernel node; defined in cuda/gqa_decode_v2.cu).
+void LaunchZeroCounters(unsigned* counters, int n, cudaStream_t stream);
+
+// Launches a one-launch split-K decode kernel: `plan.num_splits` clamped to the workspace
+// (partials, then one counter per (b, KV head, head chunk)), counters zeroed when it splits.
+// The kernel is a template argument so each one keeps its own shared-memory opt-in bit.
+template <auto Kernel, typename T>
+cudaError_t LaunchSplitDecode(const GqaParams<T>& p, int chunks, int threads, int smem,
+                              const GqaDecodePlan& plan, cudaStream_t stream) {
+  static std::atomic<uint64_t> configured{0};
+  const cudaError_t e = AllowDynamicSmem(reinterpret_cast<const void*>(Kernel), smem, configured);
+  if (e != cudaSuccess) return e;
+  const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * chunks;
+  int splits = plan.num_splits;
+  const int64_t per_split = static_cast<int64_t>(p.batch) * p.num_q_heads * (p.head_dim + 2);
+  const int64_t room = p.workspace == nullptr ? 0 : p.workspace_floats - ctas;  // counters
+  splits = static_cast<int>(std::min<int64_t>(splits, std::max<int64_t>(0, room) / per_split));
+  if (splits < 2) splits = 1;
+  if (splits > 1) {
+    LaunchZeroCounters(reinterpret_cast<unsigned*>(p.workspace + per_split * splits),
+                       static_cast<int>(ctas), stream);
+  }
+  const dim3 grid(splits, p.num_kv_heads * chunks, p.batch);
+  Kernel<<<grid, threads, smem, stream>>>(p, splits, chunks, plan.min_chunk);
+  return cudaGetLastError();
+}
+
+}  // namespace split_decode
+}  // namespace jax_kv
