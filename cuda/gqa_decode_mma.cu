@@ -23,6 +23,7 @@
 
 #include "cuda/cp_async.cuh"
 #include "cuda/gqa_decode_split.cuh"
+#include "cuda/mma.cuh"
 
 namespace jax_kv {
 
@@ -34,6 +35,9 @@ constexpr int kTileRows = 16;  // K/V rows of one warp tile: N of two q.k mmas, 
 constexpr int kStages = 3;     // ring depth: two tiles in flight while the third is computed
 constexpr int kNarrowWarps = 4;
 constexpr int kWideWarps = 8;  // one wide CTA per SM at D=128: 8 x 3 x 8 KB of rings
+
+constexpr int ConstMax(int a, int b) { return a > b ? a : b; }
+constexpr int ConstMin(int a, int b) { return a < b ? a : b; }
 
 // A tile row is kUnits 16-byte units. Rows of a multiple of 8 units are XOR-swizzled (unit u of
 // row r stored at u ^ (r & 7)), others padded to an odd stride: either way the 8 row addresses
@@ -55,15 +59,10 @@ struct MmaShape {
   // The ring is reused for the warps' merge and the combine weights once the loop is done.
   static constexpr int kMergeBytes = WARPS * kMaxGroup * HEAD_DIM * 4;
   static constexpr int kWeightBytes = kMaxGroup * kMaxSplits * 4;
-  static constexpr int kSmemBytes = kRingBytes > kMergeBytes
-                                        ? (kRingBytes > kWeightBytes ? kRingBytes : kWeightBytes)
-                                        : (kMergeBytes > kWeightBytes ? kMergeBytes : kWeightBytes);
+  static constexpr int kSmemBytes = ConstMax(kRingBytes, ConstMax(kMergeBytes, kWeightBytes));
   // Resident CTAs the register cap is set for: what shared memory allows (1 KB reserved per CTA
-  // plus ~0.6 KB of static shared memory), at most 4.
-  static constexpr int kMinBlocks = (227 * 1024) / (kSmemBytes + 2048) < 1 ? 1
-                                    : (227 * 1024) / (kSmemBytes + 2048) > 4
-                                        ? 4
-                                        : (227 * 1024) / (kSmemBytes + 2048);
+  // plus ~0.6 KB of static shared memory), 1 to 4.
+  static constexpr int kMinBlocks = ConstMax(1, ConstMin(4, (227 * 1024) / (kSmemBytes + 2048)));
   __host__ __device__ static constexpr int Unit(int row, int u) {
     return row * kStride + (kSwizzle ? (u ^ (row & 7)) : u);
   }
@@ -77,58 +76,6 @@ constexpr int MmaMinChunkRows() {
   if (WARPS == kNarrowWarps) return 4 * Sh::kCtaRows;
   const int tiles = (kWideMinSplitBytes / (2 * HEAD_DIM * 2) + Sh::kCtaRows - 1) / Sh::kCtaRows;
   return (tiles > 1 ? tiles : 1) * Sh::kCtaRows;
-}
-
-__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
-__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
-
-// d += a . b for one m16n8k16 tile, f32 accumulators; a = {a0a1, a2a3, a4a5, a6a7}.
-template <typename T>
-__device__ __forceinline__ void Mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                    uint32_t a3, uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<T, bf16_t>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-}
-
-// Two floats -> one register of T (lo in the low half: the smaller k index of a fragment pair).
-template <typename T>
-__device__ __forceinline__ uint32_t Pack2(float lo, float hi) {
-  uint32_t r;
-  if constexpr (std::is_same_v<T, bf16_t>) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    r = *reinterpret_cast<const uint32_t*>(&v);
-  } else {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    r = *reinterpret_cast<const uint32_t*>(&v);
-  }
-  return r;
-}
-
-__device__ __forceinline__ float Exp2Approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
 }
 
 template <typename T, int HEAD_DIM, int WARPS>
@@ -257,8 +204,9 @@ __global__ void __launch_bounds__(32 * WARPS, (MmaShape<T, HEAD_DIM, WARPS>::kMi
       for (int kk = 0; kk < kSteps; ++kk) {
         uint32_t kb[4];  // rows 0-7 | units 2kk, 2kk+1; rows 8-15 | the same
         LdMatrixX4(kb, kt + lm_off[kk % 4] + 128 * (kk / 4));
-        Mma<T>(s[0], qa[kk][0], 0u, qa[kk][1], 0u, kb[0], kb[1]);
-        Mma<T>(s[1], qa[kk][0], 0u, qa[kk][1], 0u, kb[2], kb[3]);
+        const uint32_t a[4] = {qa[kk][0], 0u, qa[kk][1], 0u};
+        Mma16816<T>(s[0], a, kb[0], kb[1]);
+        Mma16816<T>(s[1], a, kb[2], kb[3]);
       }
       // s[h][j]: head quad, tile row 8 h + 2 ql + j ([2], [3]: the zero rows of A, unused).
       float x[2][2], mx = -INFINITY;
@@ -275,13 +223,13 @@ __global__ void __launch_bounds__(32 * WARPS, (MmaShape<T, HEAD_DIM, WARPS>::kMi
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float m_new = fmaxf(m_run, mx);
-      const float corr = Exp2Approx(m_run - m_new);
+      const float corr = Exp2Fast(m_run - m_new);
       m_run = m_new;
       float pr[2][2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
 #pragma unroll
-        for (int j = 0; j < 2; ++j) pr[h][j] = Exp2Approx(x[h][j] - m_new);  // -inf -> 0
+        for (int j = 0; j < 2; ++j) pr[h][j] = Exp2Fast(x[h][j] - m_new);  // -inf -> 0
       }
       l_run = l_run * corr + ((pr[0][0] + pr[0][1]) + (pr[1][0] + pr[1][1]));
       // acc's heads are 2 ql + {0, 1}; their corrections sit in lanes 4 (2 ql + j).
@@ -303,7 +251,7 @@ __global__ void __launch_bounds__(32 * WARPS, (MmaShape<T, HEAD_DIM, WARPS>::kMi
       for (int mt = 0; mt < kSteps; ++mt) {
         uint32_t va[4];  // V^T [16 mt.., rows]: d 0-7 | rows 0-7, d 8-15 | rows 0-7, then 8-15
         LdMatrixX4Trans(va, vt + lm_off[mt % 4] + 128 * (mt / 4));
-        Mma<T>(acc[mt], va[0], va[1], va[2], va[3], pb0, pb1);
+        Mma16816<T>(acc[mt], va, pb0, pb1);
       }
       __syncwarp();  // tile t's slot is refilled by the next iteration's issue
     }

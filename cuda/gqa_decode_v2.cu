@@ -153,14 +153,6 @@ __host__ __device__ constexpr int SmemBytes() {
   return Sh::kStageAreaBytes + GROUP * HEAD_DIM * 4 + WARPS * Sh::kRows * GROUP * 4;
 }
 
-// 2^x on the MUFU alone (exp2f adds a range fix-up for results below 2^-126, which softmax
-// weights can flush to zero).
-__device__ __forceinline__ float Exp2Fast(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // One P.V piece (4, 8 or 16 bytes of shared memory) -> floats.
 template <typename T, int BYTES>
 __device__ __forceinline__ void LoadPiece(const void* smem, float (&f)[BYTES / sizeof(T)]) {

@@ -54,6 +54,14 @@ __device__ __forceinline__ float TanhBranchless(float x) {
   return copysignf(1.0f - __fdividef(2.0f, e + 1.0f), x);
 }
 
+// 2^x on the MUFU alone (exp2f adds a range fix-up for results below 2^-126, which softmax
+// weights can flush to zero).
+__device__ __forceinline__ float Exp2Fast(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 template <typename T>
 struct VecOf {
   static constexpr int kElems = 16 / sizeof(T);  // elements per 16-byte vector
