@@ -100,7 +100,7 @@ def xla_decode(q, k, v, n):
     return jnp.einsum("bhgs,bshd->bhgd", p, v).reshape(B, HQ, D)
 
 
-KERNEL_SPECS = ("1", "2", "2-narrow", "2-wide")
+KERNEL_SPECS = ("1", "2", "2-narrow", "2-wide", "3", "3-narrow", "3-wide")
 
 
 def decode_key(kernel: str, layout: Layout) -> str:

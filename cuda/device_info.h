@@ -25,7 +25,9 @@ int CurrentDeviceCtasBySmem(int smem_bytes);
 // Lets `kernel` launch with up to `bytes` of dynamic shared memory on the current device. The
 // opt-in past 48 KB is a per-function, per-device attribute (host-side, allowed while XLA
 // records a command buffer); `configured` holds one bit per device already raised, so the
-// runtime is called once per device and kernel.
+// runtime is called once per device and kernel. It is raised for any `bytes`: the kernel's
+// static shared memory counts toward the 48 KB default too (decode kernel 3 at D=64 takes
+// exactly 48 KB of ring plus 384 B of static, and its launch failed without the opt-in).
 cudaError_t AllowDynamicSmem(const void* kernel, int bytes, std::atomic<uint64_t>& configured);
 
 }  // namespace jax_kv

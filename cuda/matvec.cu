@@ -10,17 +10,14 @@
 // microsecond of work with about as long again between them; the norm, the SwiGLU and the
 // residual adds are five of them, and each is a few FLOPs per element of data this kernel
 // already holds.
-// How w streams: each warp owns rows (row r, r + 4 x CTAs, ...) and copies them into its own
-// shared-memory ring with cp.async, a chunk of 2 KB per w row per stage, several stages in
-// flight, computing on the oldest while the others land; registers hold no loads, so the
-// kernel runs at low register counts and many warps per SM. The versions before kept the
-// bytes in flight in registers (8 16-byte loads a lane, 64 registers, 50% occupancy) and
-// Nsight Compute measured Qwen2.5-0.5B's gate/up at 36% of DRAM bandwidth where XLA's dot
-// reached 54% (bench/NOTES.md, "matvec, grid sized to the machine").
+// The grid is sized to the machine, not to N: each warp walks rows and keeps its next row's
+// loads in flight while it finishes the current one. The first version gave each CTA 8 rows
+// and one round trip, and at Qwen2.5-0.5B's shapes ran gate/up at 1.8 TB/s (1.15 waves of
+// CTAs, each a chain of x, norm, w and residual round trips) and q/k/v and o with fewer CTAs
+// than SMs (bench/NOTES.md, "matvec, grid sized to the machine").
 #include <algorithm>
 #include <atomic>
 
-#include "cuda/cp_async.cuh"
 #include "cuda/device_info.h"
 #include "cuda/kernel_common.cuh"
 #include "cuda/matvec.cuh"
@@ -28,21 +25,18 @@
 namespace jax_kv {
 namespace {
 
-constexpr int kWarps = 4;
+constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kChunkLoads = 4;                // 16-byte copies per lane per w row per stage
-constexpr int kChunkVecs = 32 * kChunkLoads;  // vectors (2 KB) of a w row per stage
 
-// Ring depth per warp: 4 stages of one w row (3 of them in flight, 6 KB), or 3 stages of the
-// gate and up rows (2 in flight, 8 KB). Per CTA 32 or 48 KB, so 6 or 4 CTAs of 4 warps share
-// an SM's 228 KB with room for the staged x.
+// 16-byte loads of w in flight per lane: 8 of one row, or 4 of each of the two SwiGLU rows.
+// 4 KB per warp, 32 warps per SM at 4 CTAs: ~128 KB in flight per SM, past the ~40 KB that
+// Little's law asks for at 4.8 TB/s. Yet Nsight Compute measured this shape at 36% of DRAM
+// bandwidth on Qwen2.5-0.5B's gate/up (64 registers, 50% occupancy) where XLA's dot, 28
+// registers at full occupancy, reached 54% (bench/NOTES.md): bytes requested up front are
+// not the same as bytes kept in flight.
 template <bool SWIGLU>
-__host__ __device__ constexpr int Stages() {
-  return SWIGLU ? 3 : 4;
-}
-template <bool SWIGLU>
-__host__ __device__ constexpr int RingBytes() {
-  return kWarps * Stages<SWIGLU>() * (SWIGLU ? 2 : 1) * kChunkVecs * 16;
+__host__ __device__ constexpr int LoadsPerRow() {
+  return SWIGLU ? 4 : 8;
 }
 
 // v rounded to T and back: the prologue and epilogues round where the unfused XLA ops would.
@@ -103,63 +97,49 @@ __device__ void StageNormalizedX(const MatvecParams<T>& p, int kv, uint4* x_s) {
   __syncthreads();
 }
 
-// y rows for a grid sized to the machine (SMs x resident CTAs): warp g of G walks rows g,
-// g + G, ...; each row is `chunks` items of kChunkVecs vectors per w row, streamed through the
-// warp's ring. A lane computes on exactly the vectors it copied, so a stage needs no barrier,
-// only the lane's own cp.async.wait_group. Bias and residual of the next row are loaded when
-// the current row finishes, a row ahead of their use. R w rows per output: 1, or 2 (gate, up)
-// under SwiGLU.
-template <typename T, int M, bool SWIGLU>
-__global__ void __launch_bounds__(kThreads) MatvecKernel(const MatvecParams<T> p) {
+// y rows for a grid sized to the machine (SMs x resident CTAs): each CTA walks row groups
+// blockIdx.x, + gridDim.x, ...; a group is kWarps / WARPS_PER_ROW rows, WARPS_PER_ROW warps
+// splitting each row's K. A warp always has its next (row, round) of w loads in flight while
+// it reduces and stores the current row, and every operand the epilogue needs (bias,
+// residual) is loaded with the row's first round, so a row costs one global round trip
+// after the prologue. R w rows per output: 1, or 2 (gate, up) under SwiGLU.
+template <typename T, int M, int WARPS_PER_ROW, bool SWIGLU>
+__global__ void __launch_bounds__(kThreads, M == 1 ? 4 : 3) MatvecKernel(const MatvecParams<T> p) {
   constexpr int V = VecOf<T>::kElems;
   constexpr int R = SWIGLU ? 2 : 1;
-  constexpr int S = Stages<SWIGLU>();
-  constexpr int kStageVecs = R * kChunkVecs;
-  // [kWarps][S][R][kChunkVecs] rings, then (under the norm) staged x [M][K / V] and norm [K / V]
-  extern __shared__ uint4 smem[];
+  constexpr int kLoads = LoadsPerRow<SWIGLU>();
+  constexpr int kRowsPerCta = kWarps / WARPS_PER_ROW;
+  constexpr int kStride = 32 * WARPS_PER_ROW;   // vectors between a lane's loads
+  constexpr int kRoundVecs = kLoads * kStride;  // vectors of a row per round
+  extern __shared__ uint4 x_s[];                // staged x [M][K / V] (+ norm), with norm
+  __shared__ float partial[2][kWarps][R][M];    // WARPS_PER_ROW > 1: alternate per group
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int kv = p.k / V;                                         // 16-byte vectors per row
-  const int chunks = max(1, (kv + kChunkVecs - 1) / kChunkVecs);  // K = 0: y = bias (+ residual)
-  const int row_step = gridDim.x * kWarps;
-  const int first_row = blockIdx.x * kWarps + warp;
-  const int rows = first_row < p.n ? (p.n - first_row + row_step - 1) / row_step : 0;
-  const int items = rows * chunks;
-  uint4* ring = smem + warp * S * kStageVecs;
-  uint4* x_s = smem + kWarps * S * kStageVecs;
+  const int row_in_cta = warp / WARPS_PER_ROW, part = warp % WARPS_PER_ROW;
+  const int kv = p.k / V;  // 16-byte vectors per row
+  const int rounds = (kv + kRoundVecs - 1) / kRoundVecs;
+  const int groups = (p.n + kRowsPerCta - 1) / kRowsPerCta;
+  const int lane_vec = part * 32 + lane;
   const bool staged = p.norm != nullptr;
   const uint4* x = reinterpret_cast<const uint4*>(p.x);
 
-  // Copies the next item into its ring slot; always commits a group (possibly empty) so the
-  // wait counts stay aligned with items. Vectors past K are not copied: the loop below reads
-  // only i < kv, so nothing outside w is named and stale slot contents are never used.
-  const uint32_t ring_lane = SmemAddr(ring + lane);
-  int issued = 0, issue_row = first_row, issue_chunk = 0, issue_slot = 0;
-  auto issue = [&]() {
-    if (issued < items) {
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const uint4* w =
-            reinterpret_cast<const uint4*>(p.w + (static_cast<int64_t>(r) * p.n + issue_row) * p.k);
-#pragma unroll
-        for (int u = 0; u < kChunkLoads; ++u) {
-          const int i = issue_chunk * kChunkVecs + u * 32 + lane;
-          if (i < kv) {
-            CpAsync16(ring_lane + ((issue_slot * R + r) * kChunkVecs + u * 32) * 16, w + i, true);
-          }
-        }
-      }
-      ++issued;
-      if (++issue_chunk == chunks) {
-        issue_chunk = 0;
-        issue_row += row_step;
-      }
-      issue_slot = issue_slot + 1 == S ? 0 : issue_slot + 1;
-    }
-    CpAsyncCommit();
-  };
+  // The load pipeline: the (group, round) whose w vectors are in wv, and the epilogue
+  // operands of the row whose first round was issued last.
+  uint4 wv[R][kLoads];
   float next_bias[R] = {}, next_res[M] = {};
-  auto load_epilogue = [&](int n) {  // lane 0's operands of row n, if it is one of this warp's
-    if (lane == 0 && n < p.n) {
+  auto issue = [&](int group, int round) {
+    const int n = group * kRowsPerCta + row_in_cta;
+    const bool live = group < groups && n < p.n;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint4* w =
+          reinterpret_cast<const uint4*>(p.w + (static_cast<int64_t>(r) * p.n + n) * p.k);
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int i = round * kRoundVecs + u * kStride + lane_vec;
+        wv[r][u] = live && i < kv ? __ldcs(w + i) : make_uint4(0, 0, 0, 0);  // evict first
+      }
+    }
+    if (round == 0 && live && part == 0 && lane == 0) {
 #pragma unroll
       for (int r = 0; r < R; ++r) next_bias[r] = p.bias ? to_f32(p.bias[r * p.n + n]) : 0.0f;
 #pragma unroll
@@ -168,80 +148,102 @@ __global__ void __launch_bounds__(kThreads) MatvecKernel(const MatvecParams<T> p
       }
     }
   };
+  issue(blockIdx.x, 0);
+  if (staged) StageNormalizedX<T, M>(p, kv, x_s);  // while the first w loads are in flight
 
+  int parity = 0;
+  for (int group = blockIdx.x; group < groups; group += gridDim.x, parity ^= 1) {
+    const int n = group * kRowsPerCta + row_in_cta;
+    const bool live = n < p.n;
+    float acc[R][M];
 #pragma unroll
-  for (int t = 0; t < S - 1; ++t) issue();
-  load_epilogue(first_row);
-  if (staged) StageNormalizedX<T, M>(p, kv, x_s);  // every thread: it synchronizes the CTA
-
-  float acc[R][M];
+    for (int r = 0; r < R; ++r) {
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
+      for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
+    }
+    float bias[R], res[M];
+    for (int round = 0; round < rounds; ++round) {
+      if (live) {
 #pragma unroll
-    for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
-  }
-  int row = first_row, chunk = 0, slot = 0;
-  for (int t = 0; t < items; ++t) {
-    issue();
-    CpAsyncWait<S - 1>();
-    const uint4* stage = ring + slot * kStageVecs;
-    slot = slot + 1 == S ? 0 : slot + 1;
+        for (int u = 0; u < kLoads; ++u) {
+          const int i = round * kRoundVecs + u * kStride + lane_vec;
+          if (i < kv) {
 #pragma unroll
-    for (int u = 0; u < kChunkLoads; ++u) {
-      const int i = chunk * kChunkVecs + u * 32 + lane;
-      if (i < kv) {
+            for (int m = 0; m < M; ++m) {
+              float xf[V];
+              unpack_vec<T>(staged ? x_s[m * kv + i] : __ldg(x + m * kv + i), xf);
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
-          float xf[V];
-          unpack_vec<T>(staged ? x_s[m * kv + i] : __ldg(x + m * kv + i), xf);
+              for (int r = 0; r < R; ++r) {
+                float wf[V];
+                unpack_vec<T>(wv[r][u], wf);
 #pragma unroll
-          for (int r = 0; r < R; ++r) {
-            float wf[V];
-            unpack_vec<T>(stage[r * kChunkVecs + u * 32 + lane], wf);
-#pragma unroll
-            for (int e = 0; e < V; ++e) acc[r][m] = fmaf(wf[e], xf[e], acc[r][m]);
+                for (int e = 0; e < V; ++e) acc[r][m] = fmaf(wf[e], xf[e], acc[r][m]);
+              }
+            }
           }
         }
       }
+      if (round + 1 == rounds) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) bias[r] = next_bias[r];
+#pragma unroll
+        for (int m = 0; m < M; ++m) res[m] = next_res[m];
+      }
+      // The next (row, round) goes out before this row's reduction and store.
+      if (round + 1 < rounds) {
+        issue(group, round + 1);
+      } else {
+        issue(group + gridDim.x, 0);
+      }
     }
-    if (++chunk < chunks) continue;
-    chunk = 0;
-    float bias[R], res[M];
-#pragma unroll
-    for (int r = 0; r < R; ++r) bias[r] = next_bias[r];
-#pragma unroll
-    for (int m = 0; m < M; ++m) res[m] = next_res[m];
-    load_epilogue(row + row_step);
-    float sum[R][M];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
 #pragma unroll
       for (int m = 0; m < M; ++m) {
-        sum[r][m] = WarpReduce(acc[r][m], [](float a, float b) { return a + b; });
-        acc[r][m] = 0.0f;
+        acc[r][m] = WarpReduce(acc[r][m], [](float a, float b) { return a + b; });
       }
     }
-    if (lane == 0) {
+    if constexpr (WARPS_PER_ROW > 1) {
+      // Group by group the CTA alternates two partial buffers: the barrier of group g + 1
+      // orders its writes after every read of group g - 1's.
+      if (lane == 0) {
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        float y = RoundTo<T>(sum[0][m] + bias[0]);
-        if constexpr (SWIGLU) {
-          // jax.nn.silu(gate) * up in T: sigmoid, its product with gate, the product with up.
-          const float up = RoundTo<T>(sum[1][m] + bias[1]);
-          const float sig = RoundTo<T>(1.0f / (1.0f + __expf(-y)));
-          y = RoundTo<T>(RoundTo<T>(y * sig) * up);
+        for (int r = 0; r < R; ++r) {
+#pragma unroll
+          for (int m = 0; m < M; ++m) partial[parity][warp][r][m] = acc[r][m];
         }
-        if (p.residual != nullptr) y = res[m] + y;
-        p.y[static_cast<int64_t>(m) * p.n + row] = from_f32<T>(y);
+      }
+      __syncthreads();
+      if (part == 0) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+#pragma unroll
+          for (int m = 0; m < M; ++m) {
+#pragma unroll
+            for (int j = 1; j < WARPS_PER_ROW; ++j) acc[r][m] += partial[parity][warp + j][r][m];
+          }
+        }
       }
     }
-    row += row_step;
+    if (lane != 0 || part != 0 || !live) continue;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float y = RoundTo<T>(acc[0][m] + bias[0]);
+      if constexpr (SWIGLU) {
+        // jax.nn.silu(gate) * up in T: sigmoid, its product with gate, the product with up.
+        const float up = RoundTo<T>(acc[1][m] + bias[1]);
+        const float sig = RoundTo<T>(1.0f / (1.0f + __expf(-y)));
+        y = RoundTo<T>(RoundTo<T>(y * sig) * up);
+      }
+      if (p.residual != nullptr) y = res[m] + y;
+      p.y[static_cast<int64_t>(m) * p.n + n] = from_f32<T>(y);
+    }
   }
-  CpAsyncWait<0>();  // no copy outstanding when the warp exits
 }
 
 // Resident CTAs per SM of Kernel at smem bytes of dynamic shared memory; the register-bound
 // part is asked of the runtime once per kernel (the handler runs on every non-graph step).
+// Keyed by the kernel itself: every instantiation shares one function type.
 template <auto Kernel>
 int ResidentCtas(int smem) {
   static std::atomic<int> by_registers{0};
@@ -257,21 +259,45 @@ int ResidentCtas(int smem) {
   return std::max(1, std::min(r, CurrentDeviceCtasBySmem(smem)));
 }
 
+template <typename T, int M, int WARPS_PER_ROW, bool SWIGLU>
+cudaError_t LaunchShape(const MatvecParams<T>& p, cudaStream_t stream) {
+  constexpr auto kernel = MatvecKernel<T, M, WARPS_PER_ROW, SWIGLU>;
+  const int smem = p.norm != nullptr ? MatvecStagedBytes(p.m, p.k, sizeof(T)) : 0;
+  constexpr int kRowsPerCta = kWarps / WARPS_PER_ROW;
+  const int64_t groups = (p.n + kRowsPerCta - 1) / kRowsPerCta;
+  const int64_t slots = static_cast<int64_t>(CurrentDeviceSmCount()) * ResidentCtas<kernel>(smem);
+  kernel<<<static_cast<int>(std::min(groups, slots)), kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// Warps per row: enough that one round of loads covers a row (a row then costs one round
+// trip), then more while the grid would leave SMs without a CTA and every lane still gets a
+// vector; at most the CTA's 8 warps.
+template <bool SWIGLU>
+int WarpsPerRow(int n, int kv) {
+  constexpr int kLoads = LoadsPerRow<SWIGLU>();
+  int wpr = 1;
+  while (wpr < kWarps && kv > kLoads * 32 * wpr) wpr *= 2;
+  const int64_t sms = CurrentDeviceSmCount();
+  while (wpr < kWarps && (static_cast<int64_t>(n) * wpr + kWarps - 1) / kWarps < sms &&
+         kv >= 32 * 2 * wpr) {
+    wpr *= 2;
+  }
+  return wpr;
+}
+
 template <typename T, int M, bool SWIGLU>
 cudaError_t LaunchRows(const MatvecParams<T>& p, cudaStream_t stream) {
-  constexpr auto kernel = MatvecKernel<T, M, SWIGLU>;
-  static std::atomic<uint64_t> configured{0};
-  const cudaError_t allowed =
-      AllowDynamicSmem(reinterpret_cast<const void*>(kernel),
-                       RingBytes<SWIGLU>() + kMatvecMaxStagedBytes, configured);
-  if (allowed != cudaSuccess) return allowed;
-  const int smem =
-      RingBytes<SWIGLU>() +
-      (p.norm != nullptr ? static_cast<int>(MatvecStagedBytes(p.m, p.k, sizeof(T))) : 0);
-  const int64_t ctas = (p.n + kWarps - 1) / kWarps;
-  const int64_t slots = static_cast<int64_t>(CurrentDeviceSmCount()) * ResidentCtas<kernel>(smem);
-  kernel<<<static_cast<int>(std::min(ctas, slots)), kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  switch (WarpsPerRow<SWIGLU>(p.n, p.k / VecOf<T>::kElems)) {
+    case 1:
+      return LaunchShape<T, M, 1, SWIGLU>(p, stream);
+    case 2:
+      return LaunchShape<T, M, 2, SWIGLU>(p, stream);
+    case 4:
+      return LaunchShape<T, M, 4, SWIGLU>(p, stream);
+    default:
+      return LaunchShape<T, M, 8, SWIGLU>(p, stream);
+  }
 }
 
 template <typename T, bool SWIGLU>

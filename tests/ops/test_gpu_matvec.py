@@ -1,7 +1,7 @@
 """The CUDA matvec kernel against float64: row counts 1..4 (and leading dims), K from one
 16-byte vector to several load rounds per row, N not a multiple of the CTA's rows, every dtype,
-with and without bias; rows of one stage and of many (K up to 14336: 7 chunks a row), N under
-one warp per SM and N past the resident warps (each warp walks many rows); the fused forms
+with and without bias; every warps-per-row shape (1 for long N, up to 8 for a few long rows) and
+grids that walk several row groups per CTA (N past SMs x resident CTAs x rows); the fused forms
 (RMSNorm before, SwiGLU and residual after) against a float64 reference that rounds where the
 contract does; NaN propagates; the handler ran (host-call counter); more rows, and a norm whose
 staging would pass 47 KiB, fall back."""
@@ -47,9 +47,10 @@ def test_matvec_leading_dims_and_small_n(rng, lead, N):
     assert check(rng, lead, N, 64, jnp.bfloat16, bias=True) >= 1
 
 
-# (N, K): 7 long rows (5 chunks each), 896 x 896 (one chunk a row), 20000 x 1536 (two chunks a
-# row, many rows a warp), 3 x 14336 (7 chunks a row), 5 x 0 (no K: y = bias).
-@pytest.mark.parametrize("N, K", [(7, 4864), (896, 896), (20000, 1536), (3, 14336), (5, 0)])
+# (N, K): 7 long rows (8 warps a row), 896 x 896 (2 warps a row: 112 CTAs of 8 rows would leave
+# SMs idle), 20000 x 1536 (one warp a row, 2500 row groups: several per CTA, two load rounds a
+# row), 3 x 14336 (7 rounds a row at 8 warps).
+@pytest.mark.parametrize("N, K", [(7, 4864), (896, 896), (20000, 1536), (3, 14336)])
 @pytest.mark.parametrize("M", [1, 3])
 def test_matvec_grid_shapes(rng, N, K, M):
     assert check(rng, (M,), N, K, jnp.bfloat16, bias=True) >= 1
