@@ -343,8 +343,9 @@ def main():
     ap.add_argument(
         "--decode-kernel",
         default=None,
-        help="comma list of CUDA decode kernels to time: 1, 2, 2-narrow, 2-wide, both "
-        "(default: JAX_KV_DECODE_KERNEL, else 1)",
+        help="comma list of CUDA decode kernels to time: 1, 2, 2-narrow, 2-wide, 3, 3-narrow, "
+        "3-wide, both "
+        "(default: JAX_KV_DECODE_KERNEL, else 3)",
     )
     ap.add_argument("--parts", default="decode,prefill", help="tables to measure")
     args = ap.parse_args()

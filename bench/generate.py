@@ -37,7 +37,7 @@ from jax_kv.ops.matvec import xla_matvec
 from jax_kv.ops.xla_attention import xla_gqa_decode, xla_gqa_prefill
 
 # "@k": k decode steps per jitted call (Generator(tokens_per_call=k)); "+kN": CUDA decode kernel N
-# (default: JAX_KV_DECODE_KERNEL, else 2).
+# (default: JAX_KV_DECODE_KERNEL, else 3).
 IMPLS = ("jax_kv-seq", "jax_kv-head", "jax_kv-seq@8", "plain-jax", "transformers")
 MODELS = ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3-8b")
 

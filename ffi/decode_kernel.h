@@ -8,7 +8,7 @@
 
 namespace jax_kv {
 
-// Defined in module_cuda.cc; 2 unless set.
+// Defined in module_cuda.cc; 3 unless set.
 extern std::atomic<int> g_decode_kernel;
 
 }  // namespace jax_kv

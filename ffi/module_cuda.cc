@@ -21,7 +21,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvMatvecCuda);
 
 namespace jax_kv {
 std::atomic<int64_t> g_host_calls[kNumHostCallTargets];
-std::atomic<int> g_decode_kernel{2};
+std::atomic<int> g_decode_kernel{3};
 }  // namespace jax_kv
 
 namespace nb = nanobind;

@@ -102,9 +102,10 @@ class RuntimeConfig:
         prefix at each growth (None: one min_bucket).
     pool_bytes: JAX_KV_POOL_BYTES, physical memory the VMM arena keeps created ahead of need
         (64 MiB); it is device memory in use, reported as pooled_bytes.
-    decode_kernel: JAX_KV_DECODE_KERNEL, which CUDA decode kernel gqa_decode launches: 2
-        (cp.async pipelines, one launch, wide CTAs where B * Hkv is under the SM count; the
-        default, faster at every row of bench/attention.py) or 1 (split-K with a combine
+    decode_kernel: JAX_KV_DECODE_KERNEL, which CUDA decode kernel gqa_decode launches: 3
+        (the default: kernel 2's grid with the tile math on tensor cores, for bf16/f16 at head
+        dims 64-128; other calls run kernel 2), 2 (cp.async pipelines, one launch, CUDA-core
+        math, wide CTAs where B * Hkv is under the SM count) or 1 (split-K with a combine
         kernel).
         Applied when the CUDA module is registered; `_ffi_cuda.set_decode_kernel` changes it
         later (a recorded CUDA graph keeps the kernel it was recorded with).
@@ -119,7 +120,7 @@ class RuntimeConfig:
     reserve_bytes: int | None = None
     commit_ahead: int | None = None
     pool_bytes: int = 64 << 20
-    decode_kernel: int = 2
+    decode_kernel: int = 3
     matvec: bool = False
 
 

@@ -41,7 +41,7 @@ def test_parses_each_variable():
     }
     assert set(env) == set(variables())
     assert from_env(env) == RuntimeConfig(64, "eager", 64 << 30, 128, 0, 1, True)
-    assert RuntimeConfig().decode_kernel == 2
+    assert RuntimeConfig().decode_kernel == 3
     assert RuntimeConfig().matvec is False
 
 
