@@ -35,8 +35,7 @@ VARIANTS = {
     "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
 }
 # A variant name may end in "+kN": the same XLA flags with JAX_KV_DECODE_KERNEL=N; "+mv" /
-# "+nomv": with JAX_KV_MATVEC=on / off (the projections as the CUDA matvec / XLA's dots);
-# "+padN": with JAX_KV_DOT_MIN_ROWS=N.
+# "+nomv": with JAX_KV_MATVEC=on / off (the projections as the CUDA matvec / XLA's dots).
 
 
 MAX_GAP_NS = 20_000
@@ -211,8 +210,6 @@ def main() -> None:
                     env["JAX_KV_MATVEC"] = "on" if suffix == "mv" else "off"
                 elif suffix.startswith("k"):
                     env["JAX_KV_DECODE_KERNEL"] = suffix[1:]
-                elif suffix.startswith("pad"):
-                    env["JAX_KV_DOT_MIN_ROWS"] = suffix[3:]
                 else:
                     raise SystemExit(f"variant {variant}: unknown suffix +{suffix}")
             cmd = [sys.executable, __file__, "--out", str(args.out), "--impl", impl]

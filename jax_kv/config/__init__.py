@@ -76,13 +76,6 @@ def _decode_kernel(name: str, raw: str) -> int:
     return value
 
 
-def _dot_min_rows(name: str, raw: str) -> int:
-    value = _parse_int(name, raw)
-    if not 1 <= value <= 16:
-        raise ConfigError(f"{name}: expected a row count from 1 to 16, got {raw!r}")
-    return value
-
-
 def _on_off(name: str, raw: str) -> bool:
     value = raw.strip().lower()
     if value not in ("1", "0", "on", "off"):
@@ -120,11 +113,6 @@ class RuntimeConfig:
         matvec kernel with the norm, SwiGLU and residual folded in; off (the default): XLA's
         dots, faster on the H200 at Qwen2.5-0.5B (1275 vs 1184 tok/s) and a tie at Llama-3-8B
         (bench/NOTES.md).
-    dot_min_rows: JAX_KV_DOT_MIN_ROWS, the fewest rows XLA's projection dots see (1 to 16; 1,
-        the default, leaves them alone): fewer rows are padded with zeros and sliced off, so a
-        one-row decode step is a matrix-matrix dot (cuBLAS or Triton) rather than the
-        multiply + reduce fusion XLA strength-reduces a matrix-vector dot to (an experiment:
-        bench/NOTES.md).
     """
 
     min_bucket: int = 256
@@ -134,7 +122,6 @@ class RuntimeConfig:
     pool_bytes: int = 64 << 20
     decode_kernel: int = 3
     matvec: bool = False
-    dot_min_rows: int = 1
 
 
 # variable -> (field, parser). The one table both from_env and the freeze guard read, so the
@@ -147,7 +134,6 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "JAX_KV_POOL_BYTES": ("pool_bytes", _pool_bytes),
     "JAX_KV_DECODE_KERNEL": ("decode_kernel", _decode_kernel),
     "JAX_KV_MATVEC": ("matvec", _on_off),
-    "JAX_KV_DOT_MIN_ROWS": ("dot_min_rows", _dot_min_rows),
 }
 
 

@@ -43,13 +43,7 @@ def xla_matvec(
         x = rms_norm(x, norm, eps)
     # float32 as float32 (GPU dots default to TF32 for it): the contract accumulates in float32.
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    rows = int(np.prod(x.shape[:-1]))
-    pad = runtime_config().dot_min_rows - rows
-    if pad > 0:  # JAX_KV_DOT_MIN_ROWS: a matrix-matrix dot instead of XLA's multiply + reduce
-        x2 = jnp.concatenate([x.reshape(rows, x.shape[-1]), jnp.zeros((pad, x.shape[-1]), x.dtype)])
-        y = jnp.matmul(x2, w.T, precision=precision)[:rows].reshape(x.shape[:-1] + (w.shape[0],))
-    else:
-        y = jnp.matmul(x, w.T, precision=precision)
+    y = jnp.matmul(x, w.T, precision=precision)
     if b is not None:
         y = y + b.reshape((1,) * (y.ndim - 1) + b.shape)
     if activation == "swiglu":

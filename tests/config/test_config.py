@@ -38,13 +38,11 @@ def test_parses_each_variable():
         "JAX_KV_POOL_BYTES": "0",
         "JAX_KV_DECODE_KERNEL": "1",
         "JAX_KV_MATVEC": "on",
-        "JAX_KV_DOT_MIN_ROWS": "2",
     }
     assert set(env) == set(variables())
-    assert from_env(env) == RuntimeConfig(64, "eager", 64 << 30, 128, 0, 1, True, 2)
+    assert from_env(env) == RuntimeConfig(64, "eager", 64 << 30, 128, 0, 1, True)
     assert RuntimeConfig().decode_kernel == 3
     assert RuntimeConfig().matvec is False
-    assert RuntimeConfig().dot_min_rows == 1
 
 
 @pytest.mark.parametrize(
@@ -59,8 +57,6 @@ def test_parses_each_variable():
         ("JAX_KV_DECODE_KERNEL", "4"),
         ("JAX_KV_DECODE_KERNEL", "v2"),
         ("JAX_KV_MATVEC", "yes"),
-        ("JAX_KV_DOT_MIN_ROWS", "0"),
-        ("JAX_KV_DOT_MIN_ROWS", "17"),
     ],
 )
 def test_invalid_value_names_the_variable(name, raw):

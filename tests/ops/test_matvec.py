@@ -2,11 +2,6 @@
 and residual after) against float64, and errors that name the argument. The CUDA kernel is
 checked in test_gpu_matvec.py."""
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -78,32 +73,3 @@ def test_matvec_fused_errors(rng):
         matvec(x, w, norm=w[0, :32])
     with pytest.raises(ValueError, match="residual: expected"):
         matvec(x, w, activation="swiglu", residual=randn(rng, (1, 8), jnp.float32))
-
-
-def test_dot_min_rows_pads_and_slices():
-    # JAX_KV_DOT_MIN_ROWS pads xla_matvec's rows with zeros before XLA's dot and slices them
-    # off: same values, same shape (its own process: the config is frozen per process).
-    code = """
-        import jax, jax.numpy as jnp, numpy as np
-        from jax_kv.config import runtime_config
-        from jax_kv.ops.matvec import xla_matvec
-        assert runtime_config().dot_min_rows == 4
-        rng = np.random.default_rng(0)
-        x = jnp.asarray(rng.standard_normal((1, 1, 64)), jnp.float32)
-        w = jnp.asarray(rng.standard_normal((24, 64)), jnp.float32)
-        r = jnp.asarray(rng.standard_normal((1, 1, 12)), jnp.float32)
-        y = jax.jit(lambda *a: xla_matvec(*a, activation="swiglu", residual=r))(x, w)
-        g, u = np.split(np.asarray(x, np.float64)[0] @ np.asarray(w, np.float64).T, 2, axis=-1)
-        want = g / (1 + np.exp(-g)) * u + np.asarray(r, np.float64)[0]
-        assert y.shape == (1, 1, 12), y.shape
-        np.testing.assert_allclose(np.asarray(y)[0], want, rtol=2e-5, atol=2e-5)
-        hlo = jax.jit(lambda a: xla_matvec(a, w)).lower(x).as_text()
-        assert "4x64" in hlo, "the dot did not see the padded rows"
-        print("ok")
-    """
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_KV_")}
-    env.update(JAX_KV_DOT_MIN_ROWS="4", JAX_PLATFORMS="cpu")
-    p = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True
-    )
-    assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-2000:]
