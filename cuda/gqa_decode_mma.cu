@@ -18,6 +18,7 @@
 // no shuffles between the two products. P is rounded to the input type for the second mma (as
 // FlashAttention does); its row sums stay f32. Scores are scaled in f32 after the product, so q
 // enters the mma as given.
+#include <algorithm>
 #include <atomic>
 #include <type_traits>
 
@@ -35,9 +36,6 @@ constexpr int kTileRows = 16;  // K/V rows of one warp tile: N of two q.k mmas, 
 constexpr int kStages = 3;     // ring depth: two tiles in flight while the third is computed
 constexpr int kNarrowWarps = 4;
 constexpr int kWideWarps = 8;  // one wide CTA per SM at D=128: 8 x 3 x 8 KB of rings
-
-constexpr int ConstMax(int a, int b) { return a > b ? a : b; }
-constexpr int ConstMin(int a, int b) { return a < b ? a : b; }
 
 // A tile row is kUnits 16-byte units. Rows of a multiple of 8 units are XOR-swizzled (unit u of
 // row r stored at u ^ (r & 7)), others padded to an odd stride: either way the 8 row addresses
@@ -59,10 +57,10 @@ struct MmaShape {
   // The ring is reused for the warps' merge and the combine weights once the loop is done.
   static constexpr int kMergeBytes = WARPS * kMaxGroup * HEAD_DIM * 4;
   static constexpr int kWeightBytes = kMaxGroup * kMaxSplits * 4;
-  static constexpr int kSmemBytes = ConstMax(kRingBytes, ConstMax(kMergeBytes, kWeightBytes));
+  static constexpr int kSmemBytes = std::max({kRingBytes, kMergeBytes, kWeightBytes});
   // Resident CTAs the register cap is set for: what shared memory allows (1 KB reserved per CTA
   // plus ~0.6 KB of static shared memory), 1 to 4.
-  static constexpr int kMinBlocks = ConstMax(1, ConstMin(4, (227 * 1024) / (kSmemBytes + 2048)));
+  static constexpr int kMinBlocks = std::clamp((227 * 1024) / (kSmemBytes + 2048), 1, 4);
   __host__ __device__ static constexpr int Unit(int row, int u) {
     return row * kStride + (kSwizzle ? (u ^ (row & 7)) : u);
   }
@@ -113,7 +111,8 @@ __global__ void __launch_bounds__(32 * WARPS, (MmaShape<T, HEAD_DIM, WARPS>::kMi
   for (int j = 0; j < Sh::kLdCols; ++j) {
     ld_elem[j] = ((ld_s + 4 * j) ^ (Sh::kSwizzle ? ld_row : 0)) * 8;
   }
-  const uint32_t ring = SmemAddr(smem_raw) + warp * kStages * Sh::kStageUnits * 16;
+  const uint32_t ring0 = SmemAddr(smem_raw);
+  const uint32_t ring = ring0 + warp * kStages * Sh::kStageUnits * 16;
   const uint32_t ld_lane = ring + (ld_row * Sh::kStride + ld_s) * 16;
   int issue_left = num_tiles, issue_row = first + ld_row;
   uint32_t issue_slot = 0;
@@ -188,13 +187,8 @@ __global__ void __launch_bounds__(32 * WARPS, (MmaShape<T, HEAD_DIM, WARPS>::kMi
       const uint32_t vt = kt + Sh::kTensorUnits * 16;
       const int row_l = c.L - base;
       if (row_l >= 0 && row_l < kTileRows) {  // warp-uniform: once, in the split that holds L
-        uint4* kp = reinterpret_cast<uint4*>(smem_raw + (kt - SmemAddr(smem_raw)));
-        const int64_t src = (static_cast<int64_t>(c.b) * p.num_kv_heads + c.hkv) * HEAD_DIM;
-        for (int u = lane; u < Sh::kUnits; u += 32) {
-          kp[Sh::Unit(row_l, u)] = ldg16(p.k_new + src + u * 8);
-          kp[Sh::kTensorUnits + Sh::Unit(row_l, u)] = ldg16(p.v_new + src + u * 8);
-        }
-        __syncwarp();
+        PatchNewRow<Sh>(p.k_new + c.new_off, p.v_new + c.new_off,
+                        reinterpret_cast<uint4*>(smem_raw + (kt - ring0)), row_l, lane);
       }
       slot += Sh::kStageUnits * 16;
       if (slot == kStages * Sh::kStageUnits * 16) slot = 0;
@@ -360,9 +354,7 @@ cudaError_t LaunchGqaDecodeMma(const GqaParams<T>& p, cudaStream_t stream) {
     return LaunchGqaDecodeV2<T>(p, stream);
   } else {
     if (!MmaHeadDim(p.head_dim)) return LaunchGqaDecodeV2<T>(p, stream);
-    if (p.batch <= 0 || p.num_q_heads <= 0) return cudaSuccess;
     const int chunks = HeadChunks(p.num_q_heads / p.num_kv_heads);
-    if (p.batch > 65535 || p.num_kv_heads * chunks > 65535) return cudaErrorInvalidConfiguration;
     const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * chunks;
     return WithMmaShape<T>(p.head_dim, ctas, Launch<T>{p, chunks, stream});
   }

@@ -52,6 +52,7 @@ __device__ __forceinline__ SplitPlan PlanSplits(int L, int window, int num_split
 // positions [c0, c1) it attends over.
 struct DecodeCta {
   int split, hkv, b, qh0, ng, L, c0, c1, active;
+  int64_t new_off;  // element offset of this (b, KV head)'s new K/V row in k_new / v_new
 };
 
 // Starts a CTA: status for its b (from exactly one CTA per b, so status needs no memset), NaN
@@ -89,14 +90,32 @@ __device__ __forceinline__ bool BeginDecodeCta(const GqaParams<T>& p, int num_sp
   if (c.split >= plan.active) return false;
   c.c0 = plan.lo + c.split * plan.chunk;
   c.c1 = min(plan.lo + plan.n, c.c0 + plan.chunk);  // exclusive
+  c.new_off = (static_cast<int64_t>(c.b) * p.num_kv_heads + c.hkv) * HEAD_DIM;
   constexpr int kUnits = HEAD_DIM / VecOf<T>::kElems;
   if (c.split == 0 && head_chunk == 0 && tid < kUnits) {
-    const int64_t src = (static_cast<int64_t>(c.b) * p.num_kv_heads + c.hkv) * HEAD_DIM;
     const int64_t dst = kv_offset(p.cache, c.b, c.L, c.hkv) + tid * VecOf<T>::kElems;
-    stg16(p.k_cache + dst, ldg16(p.k_new + src + tid * VecOf<T>::kElems));
-    stg16(p.v_cache + dst, ldg16(p.v_new + src + tid * VecOf<T>::kElems));
+    stg16(p.k_cache + dst, ldg16(p.k_new + c.new_off + tid * VecOf<T>::kElems));
+    stg16(p.v_cache + dst, ldg16(p.v_new + c.new_off + tid * VecOf<T>::kElems));
   }
   return true;
+}
+
+// The warp tile that holds position L gets row L from k / v (k_new + DecodeCta::new_off; the
+// cache slot is being written by this launch): one warp writes its K and V rows into the tile, in
+// Shape's shared-memory addressing (Shape::Unit, K then V kTensorUnits apart), then synchronizes.
+template <typename Shape, typename T>
+__device__ __forceinline__ void PatchNewRow(const T* k_new, const T* v_new, uint4* tile, int row,
+                                            int lane) {
+  constexpr int V = VecOf<T>::kElems;
+#pragma unroll
+  for (int k = 0; k < (Shape::kUnits + 31) / 32; ++k) {
+    const int u = lane + 32 * k;
+    if (u < Shape::kUnits) {
+      tile[Shape::Unit(row, u)] = ldg16(k_new + u * V);
+      tile[Shape::kTensorUnits + Shape::Unit(row, u)] = ldg16(v_new + u * V);
+    }
+  }
+  __syncwarp();
 }
 
 // Ends a CTA once its warps have left (m, l) in sm_m / sm_l and acc in sm_acc
@@ -213,6 +232,8 @@ void LaunchZeroCounters(unsigned* counters, int n, cudaStream_t stream);
 template <auto Kernel, typename T>
 cudaError_t LaunchSplitDecode(const GqaParams<T>& p, int chunks, int threads, int smem,
                               const GqaDecodePlan& plan, cudaStream_t stream) {
+  if (p.batch <= 0 || p.num_q_heads <= 0) return cudaSuccess;
+  if (p.batch > 65535 || p.num_kv_heads * chunks > 65535) return cudaErrorInvalidConfiguration;
   static std::atomic<uint64_t> configured{0};
   const cudaError_t e = AllowDynamicSmem(reinterpret_cast<const void*>(Kernel), smem, configured);
   if (e != cudaSuccess) return e;

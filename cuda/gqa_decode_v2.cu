@@ -194,9 +194,8 @@ __global__ void __launch_bounds__(32 * WARPS, MinBlocks<GROUP, WARPS>())
   }
   const int tid = threadIdx.x;
   const int b = cta.b, hkv = cta.hkv, L = cta.L, c0 = cta.c0, c1 = cta.c1;
-  const int64_t new_off = (static_cast<int64_t>(b) * p.num_kv_heads + hkv) * HEAD_DIM;
-  const T* k_new = p.k_new + new_off;
-  const T* v_new = p.v_new + new_off;
+  const T* k_new = p.k_new + cta.new_off;
+  const T* v_new = p.v_new + cta.new_off;
 
   // Scores in log2 units, as kernel 1: scale (and log2 e) folded into q, or with softcap q
   // carries scale / softcap and the score is softcap * log2(e) * tanh(q.k).
@@ -296,15 +295,7 @@ __global__ void __launch_bounds__(32 * WARPS, MinBlocks<GROUP, WARPS>())
       slot = slot + 1 == Sh::kStages ? 0 : slot + 1;
       const int row_l = L - base;
       if (row_l >= 0 && row_l < Sh::kRows) {  // warp-uniform: once, in the split that holds L
-#pragma unroll
-        for (int k = 0; k < (Sh::kUnits + 31) / 32; ++k) {
-          const int u = lane + 32 * k;
-          if (u < Sh::kUnits) {
-            kt[Sh::Unit(row_l, u)] = ldg16(k_new + u * V);
-            kt[Sh::kTensorUnits + Sh::Unit(row_l, u)] = ldg16(v_new + u * V);
-          }
-        }
-        __syncwarp();
+        PatchNewRow<Sh>(k_new, v_new, kt, row_l, lane);
       }
 
       float s[GROUP];
@@ -579,10 +570,6 @@ int64_t GqaDecodeV2WorkspaceFloats(int batch, int num_q_heads, int head_dim) {
 
 template <typename T>
 cudaError_t LaunchGqaDecodeV2(const GqaParams<T>& p, cudaStream_t stream) {
-  if (p.batch <= 0 || p.num_q_heads <= 0) return cudaSuccess;
-  if (p.batch > 65535 || p.num_kv_heads * HeadChunks(p.num_q_heads / p.num_kv_heads) > 65535) {
-    return cudaErrorInvalidConfiguration;
-  }
   JKV_DISPATCH_HEAD_DIM(p.head_dim, HEAD_DIM, return LaunchForHeadDim<T, HEAD_DIM>(p, stream););
   return cudaSuccess;
 }
