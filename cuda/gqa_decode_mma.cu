@@ -52,7 +52,14 @@ struct MmaShape {
   static constexpr int kTensorUnits = kTileRows * kStride;  // K (or V) of one stage
   static constexpr int kStageUnits = 2 * kTensorUnits;
   static constexpr int kCtaRows = kTileRows * WARPS;
-  static constexpr int kLdCols = (kUnits + 3) / 4;  // cp.async: 8 rows x 4 units per pass
+  // cp.async: kLdLanes lanes per row (8 per 128-byte line, so each copy instruction asks for
+  // whole lines), kLdRows rows per pass, kLdCols 16-byte units per lane and row.
+  static constexpr int kLdLanes = kUnits >= 32 ? 32 : kUnits > 8 ? 16 : 8;
+  static constexpr int kLdRows = 32 / kLdLanes;
+  static constexpr int kLdPasses = kTileRows / kLdRows;
+  static constexpr int kLdCols = (kUnits + kLdLanes - 1) / kLdLanes;
+  // Swizzle terms (row & 7) a lane meets over its passes: rows advance by kLdRows a pass.
+  static constexpr int kLdPatterns = kSwizzle ? 8 / kLdRows : 1;
   static constexpr int kRingBytes = WARPS * kStages * kStageUnits * 16;
   // The ring is reused for the warps' merge and the combine weights once the loop is done.
   static constexpr int kMergeBytes = WARPS * kMaxGroup * HEAD_DIM * 4;
@@ -101,36 +108,43 @@ __global__ void __launch_bounds__(32 * WARPS, (MmaShape<T, HEAD_DIM, WARPS>::kMi
   const T* v_head = p.v_cache + head_off;
   const int lim = min(c.c1, c.L);  // rows from here on are zero-filled (row L: patched below)
 
-  // cp.async: the lane copies tile rows (lane % 8) + 8 i into stored units (lane / 8) + 4 j.
-  // Under the swizzle the stored unit s of row r holds row unit s ^ (r & 7), and r & 7 is the
-  // same for both of the lane's rows: the XOR moves to the global side, computed once here, and
-  // every shared target is a constant away from the lane's first.
-  const int ld_row = lane % 8, ld_s = lane / 8;
-  int ld_elem[Sh::kLdCols];
+  // cp.async: the lane copies tile rows ld_row + kLdRows i into stored units ld_u + kLdLanes j.
+  // Under the swizzle the stored unit s of row r holds row unit s ^ (r & 7): the XOR goes to the
+  // global side (it stays inside one 128-byte line, so the 8 lanes of a line still ask for all
+  // of it) and every shared target is a constant away from the lane's first. r & 7 repeats
+  // every kLdPatterns passes: those element offsets are computed once here.
+  const int ld_row = lane / Sh::kLdLanes, ld_u = lane % Sh::kLdLanes;
+  int ld_elem[Sh::kLdPatterns][Sh::kLdCols];
 #pragma unroll
-  for (int j = 0; j < Sh::kLdCols; ++j) {
-    ld_elem[j] = ((ld_s + 4 * j) ^ (Sh::kSwizzle ? ld_row : 0)) * 8;
+  for (int q = 0; q < Sh::kLdPatterns; ++q) {
+#pragma unroll
+    for (int j = 0; j < Sh::kLdCols; ++j) {
+      const int sw = Sh::kSwizzle ? (ld_row + q * Sh::kLdRows) & 7 : 0;
+      ld_elem[q][j] = ((ld_u + j * Sh::kLdLanes) ^ sw) * 8;
+    }
   }
   const uint32_t ring0 = SmemAddr(smem_raw);
   const uint32_t ring = ring0 + warp * kStages * Sh::kStageUnits * 16;
-  const uint32_t ld_lane = ring + (ld_row * Sh::kStride + ld_s) * 16;
+  const uint32_t ld_lane = ring + (ld_row * Sh::kStride + ld_u) * 16;
   int issue_left = num_tiles, issue_row = first + ld_row;
   uint32_t issue_slot = 0;
   auto issue = [&]() {
     if (issue_left > 0) {
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int row = issue_row + 8 * i;
+      for (int i = 0; i < Sh::kLdPasses; ++i) {
+        const int row = issue_row + Sh::kLdRows * i;
         const bool ok = row < lim;
         // Rows past L keep the address of row L (never read: zero-fill), so no copy ever names
         // a position outside [0, S).
         const int64_t off = static_cast<int64_t>(min(row, c.L)) * p.cache.s;
 #pragma unroll
         for (int j = 0; j < Sh::kLdCols; ++j) {
-          if (Sh::kUnits % 4 == 0 || ld_s + 4 * j < Sh::kUnits) {
-            const uint32_t dst = ld_lane + issue_slot + (8 * i * Sh::kStride + 4 * j) * 16;
-            CpAsync16(dst, k_head + off + ld_elem[j], ok);
-            CpAsync16(dst + Sh::kTensorUnits * 16, v_head + off + ld_elem[j], ok);
+          if (Sh::kUnits % Sh::kLdLanes == 0 || ld_u + j * Sh::kLdLanes < Sh::kUnits) {
+            const uint32_t dst =
+                ld_lane + issue_slot + (Sh::kLdRows * i * Sh::kStride + Sh::kLdLanes * j) * 16;
+            const int e = ld_elem[i % Sh::kLdPatterns][j];
+            CpAsync16(dst, k_head + off + e, ok);
+            CpAsync16(dst + Sh::kTensorUnits * 16, v_head + off + e, ok);
           }
         }
       }
