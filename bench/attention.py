@@ -186,7 +186,28 @@ def xla_prefill(q, k, v, past):
     return jnp.einsum("bhgts,bshd->bthgd", p, v).reshape(B, T, HQ, D)
 
 
-def bench_prefill(T, past, iters):
+PREFILL_KERNELS = ("auto", "mma")
+
+
+def prefill_key(kernel: str, layout) -> str:
+    """Row key of jax_kv's prefill time with prefill kernel `kernel` ('auto' keeps the old key)."""
+    name = layout if isinstance(layout, str) else layout.name
+    return f"jax_kv_{name}" if kernel == "auto" else f"jax_kv_{kernel}_{name}"
+
+
+def select_prefill_kernel(kernel: str) -> None:
+    """Makes the CUDA prefill handler launch `kernel` ('auto': wgmma where it applies; 'mma')
+    from the next compiled step on."""
+    from jax_kv import _ffi
+
+    _ffi.register()
+    cuda = _ffi.cuda_module()
+    if cuda is None:
+        raise RuntimeError("--prefill-kernel needs the CUDA module (JAX_KV_CUDA=ON build)")
+    cuda.set_prefill_kernel(kernel)
+
+
+def bench_prefill(T, past, iters, kernels=("auto",)):
     keys = jax.random.split(jax.random.key(T + past), 6)
     S = past + T
     q = rand(keys[0], (1, T, HQ, D))
@@ -200,7 +221,9 @@ def bench_prefill(T, past, iters):
     v_bshd = v_bshd.at[:, past:].set(v_new)
 
     consts = (k_new, v_new, lengths)
-    for layout in Layout:
+    for kernel, layout in ((k, lay) for k in kernels for lay in Layout):
+        if kernels != ("auto",):
+            select_prefill_kernel(kernel)
         kc, vc = in_layout(k_bshd, layout), in_layout(v_bshd, layout)
 
         def step(c, x, layout=layout):
@@ -208,10 +231,12 @@ def bench_prefill(T, past, iters):
             k_new, v_new, lengths = x
             return gqa_prefill(q, k_new, v_new, kc, vc, lengths, layout=layout)
 
+        key = prefill_key(kernel, layout)
         t, err = guarded(lambda c=(q, kc, vc), f=step: time_loop(f, c, consts, iters, 1)[0])
-        row[f"jax_kv_{layout.name}"] = t
+        row[key] = t
+        row[f"tflops_{key}"] = None if t is None else flops / t / 1e12
         if err:
-            row[f"error_jax_kv_{layout.name}"] = err
+            row[f"error_{key}"] = err
 
     # jax's is_causal is top-left aligned; with a past the mask must be bottom-right.
     mask = (jnp.arange(S)[None, :] <= (past + jnp.arange(T))[:, None])[None, None]
@@ -229,7 +254,7 @@ def bench_prefill(T, past, iters):
         lambda: time_loop(lambda q, x: xla_prefill(q, x[0], x[1], past), q, consts, iters, 1)[0]
     )
     row["xla"], row["error_xla"] = t, err
-    for name in ("jax_kv_HEAD_MAJOR", "jax_kv_SEQ_MAJOR", "cudnn", "xla"):
+    for name in ("cudnn", "xla"):
         row[f"tflops_{name}"] = None if row[name] is None else flops / row[name] / 1e12
     return row
 
@@ -268,23 +293,24 @@ def print_decode(rows, kernels=("1",)):
             )
 
 
-def print_prefill(rows):
+def print_prefill(rows, kernels=("auto",)):
     print(
         "\nPrefill (bf16, B=1, Hq=32, Hkv=8, D=128, causal): time in ms, TFLOP/s, "
         "x = ours / cuDNN TFLOP/s"
     )
     print(
-        f"{'T':>6} {'past':>6} | {'layout':>10} {'jax_kv':>8} {'TFLOP/s':>8} | "
+        f"{'T':>6} {'past':>6} | {'layout':>10} {'kernel':>6} {'jax_kv':>8} {'TFLOP/s':>8} | "
         f"{'cuDNN':>8} {'TFLOP/s':>8} | {'XLA':>8} {'TFLOP/s':>8} | {'x cuDNN':>7}"
     )
     for r in rows:
-        for lay in ("HEAD_MAJOR", "SEQ_MAJOR"):
-            ours = r[f"jax_kv_{lay}"]
+        for lay, kernel in ((lay, k) for lay in ("HEAD_MAJOR", "SEQ_MAJOR") for k in kernels):
+            key = prefill_key(kernel, lay)
+            ours = r.get(key)
             print(
-                f"{r['T']:>6} {r['past']:>6} | {lay:>10} {fmt(ours, 1e3, '8.3f')} "
-                f"{fmt(r[f'tflops_jax_kv_{lay}'])} | {fmt(r['cudnn'], 1e3, '8.3f')} "
+                f"{r['T']:>6} {r['past']:>6} | {lay:>10} {kernel:>6} {fmt(ours, 1e3, '8.3f')} "
+                f"{fmt(r.get(f'tflops_{key}'))} | {fmt(r['cudnn'], 1e3, '8.3f')} "
                 f"{fmt(r['tflops_cudnn'])} | {fmt(r['xla'], 1e3, '8.3f')} "
-                f"{fmt(r['tflops_xla'])} | {fmt(ratio(r['cudnn'], ours), 1, '7.2f')}"
+                f"{fmt(r['tflops_xla'])} | {fmt(ratio(ours, r['cudnn']), 1, '7.2f')}"
             )
 
 
@@ -299,7 +325,9 @@ def plot(decode, prefill, path):
         (decode_key(k, lay), f"jax_kv {lay.name.lower()}" + ("" if k == "1" else f", kernel {k}"))
         for k in KERNEL_SPECS
         for lay in Layout
-    ] + [("cudnn", "cuDNN"), ("xla", "XLA masked")]
+    ]
+    names += [(prefill_key("mma", lay), f"jax_kv {lay.name.lower()}, mma.sync") for lay in Layout]
+    names += [("cudnn", "cuDNN"), ("xla", "XLA masked")]
     present = {k for r in decode + prefill for k in r}
     names = [(n, t) for n, t in names if n in present]
     for ax, rows, key, label, ylabel in (
@@ -347,6 +375,11 @@ def main():
         "3-wide, both "
         "(default: JAX_KV_DECODE_KERNEL, else 3)",
     )
+    ap.add_argument(
+        "--prefill-kernel",
+        default="auto",
+        help="comma list of CUDA prefill kernels to time: auto (wgmma on an H100/H200), mma",
+    )
     ap.add_argument("--parts", default="decode,prefill", help="tables to measure")
     args = ap.parse_args()
     if args.decode_kernel is None:
@@ -358,6 +391,9 @@ def main():
         bad = [k for k in kernels if k not in KERNEL_SPECS]
         if bad:
             ap.error(f"--decode-kernel: expected a comma list of {KERNEL_SPECS}, got {bad}")
+    prefill_kernels = tuple(args.prefill_kernel.split(","))
+    if any(k not in PREFILL_KERNELS for k in prefill_kernels):
+        ap.error(f"--prefill-kernel: expected a comma list of {PREFILL_KERNELS}")
     os.makedirs(args.out, exist_ok=True)
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind}, jax {jax.__version__}, commit {git_commit()[:12]}")
@@ -378,6 +414,7 @@ def main():
         "repeats": REPEATS,
         "decode_iters": args.decode_iters,
         "decode_kernels": list(kernels),
+        "prefill_kernels": list(prefill_kernels),
         "timing": "median wall time of one jitted lax.fori_loop call / iterations",
     }
     decode, prefill = [], []
@@ -401,16 +438,20 @@ def main():
     print_decode(decode, kernels)
     for T, past in prefill_rows:
         iters = max(2, min(64, 2**25 // (T * T + T * past)))
-        prefill.append(bench_prefill(T, past, iters))
+        prefill.append(bench_prefill(T, past, iters, prefill_kernels))
         save()
         r = prefill[-1]
+        ours = ", ".join(
+            f"{k} {fmt(r.get(prefill_key(k, 'SEQ_MAJOR')), 1e3, '8.3f').strip()}"
+            for k in prefill_kernels
+        )
         print(
-            f"  prefill T={T} past={past}: jax_kv {fmt(r['jax_kv_SEQ_MAJOR'], 1e3, '8.3f')} ms, "
+            f"  prefill T={T} past={past}: jax_kv {ours} ms (seq-major), "
             f"cuDNN {fmt(r['cudnn'], 1e3, '8.3f')} ms",
             flush=True,
         )
     print_decode(decode, kernels)
-    print_prefill(prefill)
+    print_prefill(prefill, prefill_kernels)
     errors = {
         f"{i}:{k}": v
         for i, r in enumerate(decode + prefill)

@@ -1,7 +1,8 @@
 # Builds _ffi_cuda: the CUDA kernels (cuda/*.cu) and their XLA FFI handlers (ffi/*.cc).
-# sm_90 SASS for the H100/H200 plus compute_90 PTX, so a newer GPU can still JIT the kernels.
+# sm_90a SASS for the H100/H200 (the arch-specific target: wgmma) plus compute_90 PTX, so a
+# newer GPU can still JIT the kernels (the wgmma ones compile to a trap there and are not chosen).
 if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-  set(CMAKE_CUDA_ARCHITECTURES "90-real;90-virtual")
+  set(CMAKE_CUDA_ARCHITECTURES "90a-real;90-virtual")
 endif()
 enable_language(CUDA)
 set(CMAKE_CUDA_STANDARD 17)
@@ -19,6 +20,7 @@ nanobind_add_module(_ffi_cuda NB_STATIC
   cuda/gqa_decode_v2.cu
   cuda/gqa_decode_mma.cu
   cuda/gqa_prefill.cu
+  cuda/gqa_prefill_wgmma.cu
   cuda/grow_cache.cu
   cuda/matvec.cu)
 target_include_directories(_ffi_cuda PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}")

@@ -1,4 +1,4 @@
-// Cached per-device properties: SM count and the shared-memory opt-in limit.
+// Cached per-device properties: SM count, compute capability, shared-memory limits.
 #include <algorithm>
 #include <atomic>
 
@@ -10,13 +10,18 @@ namespace {
 
 constexpr int kMaxDevices = 64;
 
-// 0 = not read yet; races only ever store the same value.
-int CachedAttribute(std::atomic<int> (&cache)[kMaxDevices], cudaDeviceAttr attr, int fallback) {
+int CurrentDeviceIndex() {
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
     cudaGetLastError();
     dev = 0;
   }
+  return dev;
+}
+
+// 0 = not read yet; races only ever store the same value.
+int CachedAttribute(std::atomic<int> (&cache)[kMaxDevices], cudaDeviceAttr attr, int fallback) {
+  const int dev = CurrentDeviceIndex();
   int v = cache[dev].load(std::memory_order_relaxed);
   if (v > 0) return v;
   if (cudaDeviceGetAttribute(&v, attr, dev) != cudaSuccess || v <= 0) {
@@ -30,11 +35,27 @@ int CachedAttribute(std::atomic<int> (&cache)[kMaxDevices], cudaDeviceAttr attr,
 std::atomic<int> g_sm_count[kMaxDevices];
 std::atomic<int> g_smem_optin[kMaxDevices];
 std::atomic<int> g_smem_per_sm[kMaxDevices];
+std::atomic<int> g_compute_capability[kMaxDevices];
 
 }  // namespace
 
 int CurrentDeviceSmCount() {
   return CachedAttribute(g_sm_count, cudaDevAttrMultiProcessorCount, 132);
+}
+
+int CurrentDeviceComputeCapability() {
+  const int dev = CurrentDeviceIndex();
+  int v = g_compute_capability[dev].load(std::memory_order_relaxed);
+  if (v > 0) return v;
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  v = 10 * major + minor;
+  g_compute_capability[dev].store(v, std::memory_order_relaxed);
+  return v;
 }
 
 int CurrentDeviceMaxSmemOptin() {

@@ -12,6 +12,10 @@ namespace jax_kv {
 // costs ~1 us, and the handlers run on every (non-graph) step.
 int CurrentDeviceSmCount();
 
+// Compute capability of the current device as 10 * major + minor (90 for the H100/H200): the
+// sm_90a kernels (wgmma) run on 90 only.
+int CurrentDeviceComputeCapability();
+
 // Opt-in limit of dynamic shared memory per block on the current device.
 int CurrentDeviceMaxSmemOptin();
 

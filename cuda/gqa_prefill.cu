@@ -13,6 +13,7 @@
 #include "cuda/cp_async.cuh"
 #include "cuda/device_info.h"
 #include "cuda/gqa_prefill.cuh"
+#include "cuda/gqa_prefill_common.cuh"
 #include "cuda/kernel_common.cuh"
 #include "cuda/mma.cuh"
 
@@ -34,57 +35,6 @@ struct PrefillShape {
   static constexpr int kKSteps = HEAD_DIM / 16;
 };
 
-__device__ __forceinline__ int32_t PrefillStatus(int L, int n_new, int T, int S) {
-  if (n_new < 0 || n_new > T) return JKV_STATUS_NEW_LENGTH_OUT_OF_RANGE;
-  if (L < 0 || static_cast<int64_t>(L) + n_new > S) return JKV_STATUS_LENGTH_OUT_OF_RANGE;
-  return JKV_STATUS_OK;
-}
-
-template <typename T>
-__device__ __forceinline__ T NanOf() {
-  return from_f32<T>(__int_as_float(0x7fc00000));
-}
-
-// Status, NaN rows for a bad b, zero rows past new_lengths[b] and the fused append: the part
-// both prefill kernels share. Returns the live row range [t0, t1) this CTA must compute, or
-// t0 >= t1 when it has nothing left to do.
-template <typename T, int HEAD_DIM>
-__device__ __forceinline__ int2 PrefillPrologue(const GqaParams<T>& p, int b, int qh, int t0,
-                                                int t_end, bool status_writer, int L, int n_new) {
-  const int T_ = p.num_tokens;
-  const int code = PrefillStatus(L, n_new, T_, p.capacity);
-  if (status_writer && threadIdx.x == 0) p.status[b] = code;
-  constexpr int V = VecOf<T>::kElems, NV = HEAD_DIM / V;
-  auto out_row = [&](int t) {
-    return p.out + ((static_cast<int64_t>(b) * T_ + t) * p.num_q_heads + qh) * HEAD_DIM;
-  };
-  if (code != JKV_STATUS_OK) {
-    for (int i = threadIdx.x; i < (t_end - t0) * HEAD_DIM; i += blockDim.x) {
-      out_row(t0 + i / HEAD_DIM)[i % HEAD_DIM] = NanOf<T>();
-    }
-    return make_int2(0, 0);
-  }
-  const int live_end = min(t_end, n_new);
-  for (int i = threadIdx.x; i < (t_end - max(t0, live_end)) * NV; i += blockDim.x) {
-    const int t = max(t0, live_end) + i / NV;
-    stg16(out_row(t) + (i % NV) * V, make_uint4(0, 0, 0, 0));
-  }
-  if (t0 >= live_end) return make_int2(0, 0);
-  const int group = p.num_q_heads / p.num_kv_heads;
-  if (qh % group == 0) {
-    const int hkv = qh / group;
-    for (int i = threadIdx.x; i < (live_end - t0) * NV; i += blockDim.x) {
-      const int t = t0 + i / NV, c = (i % NV) * V;
-      const int64_t src =
-          ((static_cast<int64_t>(b) * T_ + t) * p.num_kv_heads + hkv) * HEAD_DIM + c;
-      const int64_t dst = kv_offset(p.cache, b, L + t, hkv) + c;
-      stg16(p.k_cache + dst, ldg16(p.k_new + src));
-      stg16(p.v_cache + dst, ldg16(p.v_new + src));
-    }
-  }
-  return make_int2(t0, live_end);
-}
-
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(kThreads) GqaPrefillMmaKernel(const GqaParams<T> p) {
   using Sh = PrefillShape<HEAD_DIM>;
@@ -101,8 +51,8 @@ __global__ void __launch_bounds__(kThreads) GqaPrefillMmaKernel(const GqaParams<
   const int L = p.lengths[b];
   const int n_new = p.new_lengths ? p.new_lengths[b] : T_;
   const int m0 = mblock * kBlockM;
-  const int2 rows = PrefillPrologue<T, HEAD_DIM>(p, b, qh, m0, min(m0 + kBlockM, T_),
-                                                 blockIdx.x == 0 && qh == 0, L, n_new);
+  const int2 rows = prefill::PrefillPrologue<T, HEAD_DIM>(p, b, qh, m0, min(m0 + kBlockM, T_),
+                                                          blockIdx.x == 0 && qh == 0, L, n_new);
   if (rows.x >= rows.y) return;
   const int live_end = rows.y;
 
@@ -261,8 +211,8 @@ __global__ void __launch_bounds__(32) GqaPrefillRowKernel(const GqaParams<T> p) 
   const int T_ = p.num_tokens;
   const int L = p.lengths[b];
   const int n_new = p.new_lengths ? p.new_lengths[b] : T_;
-  const int2 rows = PrefillPrologue<T, HEAD_DIM>(p, b, qh, t, min(t + 1, T_),
-                                                 blockIdx.x == 0 && qh == 0, L, n_new);
+  const int2 rows = prefill::PrefillPrologue<T, HEAD_DIM>(p, b, qh, t, min(t + 1, T_),
+                                                          blockIdx.x == 0 && qh == 0, L, n_new);
   if (rows.x >= rows.y) return;
   const int group = p.num_q_heads / p.num_kv_heads, hkv = qh / group;
   const int64_t q_row0 = static_cast<int64_t>(b) * T_;
@@ -313,7 +263,12 @@ __global__ void __launch_bounds__(32) GqaPrefillRowKernel(const GqaParams<T> p) 
 }
 
 template <typename T, int HEAD_DIM>
-cudaError_t LaunchForHeadDim(const GqaParams<T>& p, cudaStream_t stream) {
+cudaError_t LaunchForHeadDim(const GqaParams<T>& p, cudaStream_t stream, PrefillKernel kernel) {
+  if constexpr (!std::is_same_v<T, float> && (HEAD_DIM == 64 || HEAD_DIM == 128)) {
+    if (kernel == PrefillKernel::kAuto && CurrentDeviceComputeCapability() == 90) {
+      return LaunchGqaPrefillWgmma<T, HEAD_DIM>(p, stream);
+    }
+  }
   if constexpr (std::is_same_v<T, float>) {
     const dim3 grid(std::max(1, p.num_tokens), p.num_q_heads, p.batch);
     GqaPrefillRowKernel<T, HEAD_DIM><<<grid, 32, 0, stream>>>(p);
@@ -333,15 +288,17 @@ cudaError_t LaunchForHeadDim(const GqaParams<T>& p, cudaStream_t stream) {
 }  // namespace
 
 template <typename T>
-cudaError_t LaunchGqaPrefill(const GqaParams<T>& p, cudaStream_t stream) {
+cudaError_t LaunchGqaPrefill(const GqaParams<T>& p, cudaStream_t stream, PrefillKernel kernel) {
   if (p.batch <= 0 || p.num_q_heads <= 0) return cudaSuccess;
   if (p.batch > 65535 || p.num_q_heads > 65535) return cudaErrorInvalidConfiguration;
-  JKV_DISPATCH_HEAD_DIM(p.head_dim, HEAD_DIM, return LaunchForHeadDim<T, HEAD_DIM>(p, stream););
+  JKV_DISPATCH_HEAD_DIM(p.head_dim, HEAD_DIM,
+                        return LaunchForHeadDim<T, HEAD_DIM>(p, stream, kernel););
   return cudaSuccess;
 }
 
-template cudaError_t LaunchGqaPrefill<float>(const GqaParams<float>&, cudaStream_t);
-template cudaError_t LaunchGqaPrefill<bf16_t>(const GqaParams<bf16_t>&, cudaStream_t);
-template cudaError_t LaunchGqaPrefill<f16_t>(const GqaParams<f16_t>&, cudaStream_t);
+template cudaError_t LaunchGqaPrefill<float>(const GqaParams<float>&, cudaStream_t, PrefillKernel);
+template cudaError_t LaunchGqaPrefill<bf16_t>(const GqaParams<bf16_t>&, cudaStream_t,
+                                              PrefillKernel);
+template cudaError_t LaunchGqaPrefill<f16_t>(const GqaParams<f16_t>&, cudaStream_t, PrefillKernel);
 
 }  // namespace jax_kv

@@ -1,5 +1,5 @@
 // CUDA handler of jax_kv_gqa_decode: checks buffers, fills params, launches the selected
-// split-K kernel (1, 2 or 3, ffi/decode_kernel.h).
+// split-K kernel (1, 2 or 3, ffi/kernel_choice.h).
 #include "cuda/gqa_decode.cuh"
 
 #include <cuda_runtime.h>
@@ -7,8 +7,8 @@
 #include <string>
 
 #include "ffi/common.h"
-#include "ffi/decode_kernel.h"
 #include "ffi/host_calls.h"
+#include "ffi/kernel_choice.h"
 
 namespace jax_kv {
 

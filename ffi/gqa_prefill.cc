@@ -7,6 +7,7 @@
 
 #include "ffi/common.h"
 #include "ffi/host_calls.h"
+#include "ffi/kernel_choice.h"
 
 namespace jax_kv {
 
@@ -23,7 +24,8 @@ static ffi::Error GqaPrefillImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
                                     workspace, layout, scale, softcap, window,
                                     /*has_token_axis=*/true, &p);
   if (err.failure()) return err;
-  const cudaError_t e = LaunchGqaPrefill<T>(p, stream);
+  const cudaError_t e = LaunchGqaPrefill<T>(
+      p, stream, static_cast<PrefillKernel>(g_prefill_kernel.load(std::memory_order_relaxed)));
   if (e != cudaSuccess) {
     return ffi::Error::Internal(std::string("jax_kv_gqa_prefill: ") + cudaGetErrorString(e));
   }

@@ -1,5 +1,6 @@
 // NB_MODULE(_ffi_cuda): the CUDA handlers as capsules, the decode workspace size, the decode
-// kernel selection, and the per-target host-call counters (the CUDA-graph replay signal).
+// and prefill kernel selection, and the per-target host-call counters (the CUDA-graph replay
+// signal).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
@@ -9,9 +10,11 @@
 #include <stdexcept>
 #include <string>
 
+#include "cuda/device_info.h"
 #include "cuda/gqa_decode.cuh"
-#include "ffi/decode_kernel.h"
+#include "cuda/gqa_prefill.cuh"
 #include "ffi/host_calls.h"
+#include "ffi/kernel_choice.h"
 #include "xla/ffi/api/api.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvGqaDecodeCuda);
@@ -22,6 +25,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvMatvecCuda);
 namespace jax_kv {
 std::atomic<int64_t> g_host_calls[kNumHostCallTargets];
 std::atomic<int> g_decode_kernel{3};
+std::atomic<int> g_prefill_kernel{static_cast<int>(PrefillKernel::kAuto)};
 }  // namespace jax_kv
 
 namespace nb = nanobind;
@@ -102,6 +106,43 @@ NB_MODULE(_ffi_cuda, m) {
   m.def(
       "decode_kernel", []() { return jax_kv::g_decode_kernel.load(std::memory_order_relaxed); },
       "The decode kernel (1, 2 or 3) the handler launches.");
+  m.def(
+      "set_prefill_kernel",
+      [](const std::string& kernel) {
+        jax_kv::PrefillKernel k;
+        if (kernel == "auto") {
+          k = jax_kv::PrefillKernel::kAuto;
+        } else if (kernel == "mma") {
+          k = jax_kv::PrefillKernel::kMma;
+        } else {
+          throw std::invalid_argument("prefill kernel: expected 'auto' or 'mma', got '" + kernel +
+                                      "'");
+        }
+        jax_kv::g_prefill_kernel.store(static_cast<int>(k), std::memory_order_relaxed);
+      },
+      nb::arg("kernel"),
+      "Selects the prefill kernel from now on: 'auto' (wgmma for bf16/f16 at head dims 64 and "
+      "128 on a compute-capability 9.0 GPU, mma.sync otherwise) or 'mma' (mma.sync always); a "
+      "CUDA graph recorded earlier keeps its kernel.");
+  m.def(
+      "prefill_kernel",
+      []() -> std::string {
+        return jax_kv::g_prefill_kernel.load(std::memory_order_relaxed) ==
+                       static_cast<int>(jax_kv::PrefillKernel::kMma)
+                   ? "mma"
+                   : "auto";
+      },
+      "The prefill kernel setting: 'auto' or 'mma'.");
+  m.def(
+      "prefill_uses_wgmma",
+      [](int head_dim, int itemsize) {
+        return jax_kv::g_prefill_kernel.load(std::memory_order_relaxed) ==
+                   static_cast<int>(jax_kv::PrefillKernel::kAuto) &&
+               itemsize == 2 && (head_dim == 64 || head_dim == 128) &&
+               jax_kv::CurrentDeviceComputeCapability() == 90;
+      },
+      nb::arg("head_dim"), nb::arg("itemsize"),
+      "Whether the prefill handler launches the wgmma kernel for this head dim and item size.");
   m.def(
       "set_decode_v2_ctas",
       [](const std::string& shape) {

@@ -63,7 +63,7 @@ for s in $STAGES; do
     san)
       stage "compute-sanitizer memcheck"
       timeout -k 10 120 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -m gpu \
-        tests/ops/test_gpu_ops.py -q -p no:cacheprovider -p no:benchmark -k "(decode_head_dims and bfloat16 and SEQ) or (prefill_head_dims and bfloat16 and HEAD) or status_out_of_range or decode_many_splits" \
+        tests/ops/test_gpu_ops.py -q -p no:cacheprovider -p no:benchmark -k "(decode_head_dims and bfloat16 and SEQ) or (prefill_head_dims and bfloat16 and HEAD) or prefill_many_query_blocks or status_out_of_range or decode_many_splits" \
         2>&1 | tee "$OUT/sanitizer.log" | tail -8 ;;
     matvec-shapes)
       stage "bench/matvec_shapes.py --time"

@@ -56,6 +56,22 @@ def decode_kernel(request):
     jax.clear_caches()
 
 
+@pytest.fixture(params=["auto", "mma"], ids=lambda k: f"prefill-{k}")
+def prefill_kernel(request):
+    """Selects the CUDA prefill kernel for one test ('auto': wgmma for bf16/f16 at head dims 64
+    and 128 on this H200, asserted; 'mma': the mma.sync kernel) and restores the selection."""
+    mod = cuda_module()
+    before = mod.prefill_kernel()
+    jax.clear_caches()
+    mod.set_prefill_kernel(request.param)
+    if request.param == "auto" and jax.devices("cuda")[0].compute_capability == "9.0":
+        assert mod.prefill_uses_wgmma(128, 2) and mod.prefill_uses_wgmma(64, 2)
+        assert not mod.prefill_uses_wgmma(96, 2) and not mod.prefill_uses_wgmma(128, 4)
+    yield request.param
+    mod.set_prefill_kernel(before)
+    jax.clear_caches()
+
+
 def on_cpu(fn, *args, **kw):
     """The same jitted function on the CPU handlers (inputs committed to the CPU device)."""
     cpu = jax.devices("cpu")[0]
@@ -199,32 +215,40 @@ def check_prefill(rng, layout, dtype, Hq, Hkv, D, *, T=70, S=200, **kw):
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"Hq{h[0]}-Hkv{h[1]}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
-def test_prefill_matches_cpu_and_reference(rng, layout, dtype, heads):
+def test_prefill_matches_cpu_and_reference(prefill_kernel, rng, layout, dtype, heads):
     check_prefill(rng, layout, dtype, *heads, D=128)
 
 
 @pytest.mark.parametrize("D", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=dtype_ids)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
-def test_prefill_head_dims(rng, layout, dtype, D):
+def test_prefill_head_dims(prefill_kernel, rng, layout, dtype, D):
     check_prefill(rng, layout, dtype, 8, 2, D, T=33, S=120)
 
 
 @pytest.mark.parametrize("window", [1, 7, 100])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
-def test_prefill_window(rng, layout, window):
+def test_prefill_window(prefill_kernel, rng, layout, window):
     check_prefill(rng, layout, jnp.bfloat16, 32, 8, 128, T=130, S=400, window=window)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
-def test_prefill_softcap_and_scale(rng, layout):
+def test_prefill_softcap_and_scale(prefill_kernel, rng, layout):
     check_prefill(rng, layout, jnp.bfloat16, 8, 2, 128, softcap=2.0, scale=0.5)
     check_prefill(rng, layout, jnp.float32, 8, 2, 64, softcap=30.0, window=16)
 
 
-def test_prefill_long_past(rng):
-    # Many 64-key blocks from the cache, then the diagonal blocks from k/v.
+def test_prefill_long_past(prefill_kernel, rng):
+    # Many key blocks from the cache, then the diagonal blocks from k/v.
     check_prefill(rng, Layout.HEAD_MAJOR, jnp.float16, 32, 8, 128, T=150, S=1400)
+
+
+@pytest.mark.parametrize("window", [None, 77], ids=lambda w: f"window{w}")
+@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
+def test_prefill_many_query_blocks(prefill_kernel, rng, layout, window):
+    # Three 128-row query blocks (both of the wgmma kernel's warpgroups live, then one idle), a
+    # window that ends inside a warpgroup, keys from the cache and from k/v in one block.
+    check_prefill(rng, layout, jnp.bfloat16, 16, 2, 64, T=300, S=900, window=window)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
@@ -266,7 +290,7 @@ def test_decode_status_out_of_range(decode_kernel, rng):
     np.testing.assert_array_equal(np.asarray(kc2[2:], np.float64), ref_kc)
 
 
-def test_prefill_status_out_of_range(rng):
+def test_prefill_status_out_of_range(prefill_kernel, rng):
     layout, B, T, Hq, Hkv, D, S = Layout.SEQ_MAJOR, 3, 8, 8, 2, 64, 40
     q = randn(rng, (B, T, Hq, D), jnp.float16)
     k, v = randn(rng, (B, T, Hkv, D), jnp.float16), randn(rng, (B, T, Hkv, D), jnp.float16)

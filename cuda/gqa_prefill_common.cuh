@@ -1,0 +1,71 @@
+// What the prefill kernels share: the per-sequence status, NaN rows for a bad sequence, zero
+// rows past new_lengths[b] and the fused append of the new K/V (PrefillPrologue), plus the
+// Hopper kernel's launcher (cuda/gqa_prefill_wgmma.cu).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/gqa_params.h"
+#include "cuda/kernel_common.cuh"
+
+namespace jax_kv {
+namespace prefill {
+
+__device__ __forceinline__ int32_t PrefillStatus(int L, int n_new, int T, int S) {
+  if (n_new < 0 || n_new > T) return JKV_STATUS_NEW_LENGTH_OUT_OF_RANGE;
+  if (L < 0 || static_cast<int64_t>(L) + n_new > S) return JKV_STATUS_LENGTH_OUT_OF_RANGE;
+  return JKV_STATUS_OK;
+}
+
+template <typename T>
+__device__ __forceinline__ T NanOf() {
+  return from_f32<T>(__int_as_float(0x7fc00000));
+}
+
+// Status, NaN rows for a bad b, zero rows past new_lengths[b] and the fused append: the part
+// both prefill kernels share. Returns the live row range [t0, t1) this CTA must compute, or
+// t0 >= t1 when it has nothing left to do.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ int2 PrefillPrologue(const GqaParams<T>& p, int b, int qh, int t0,
+                                                int t_end, bool status_writer, int L, int n_new) {
+  const int T_ = p.num_tokens;
+  const int code = PrefillStatus(L, n_new, T_, p.capacity);
+  if (status_writer && threadIdx.x == 0) p.status[b] = code;
+  constexpr int V = VecOf<T>::kElems, NV = HEAD_DIM / V;
+  auto out_row = [&](int t) {
+    return p.out + ((static_cast<int64_t>(b) * T_ + t) * p.num_q_heads + qh) * HEAD_DIM;
+  };
+  if (code != JKV_STATUS_OK) {
+    for (int i = threadIdx.x; i < (t_end - t0) * HEAD_DIM; i += blockDim.x) {
+      out_row(t0 + i / HEAD_DIM)[i % HEAD_DIM] = NanOf<T>();
+    }
+    return make_int2(0, 0);
+  }
+  const int live_end = min(t_end, n_new);
+  for (int i = threadIdx.x; i < (t_end - max(t0, live_end)) * NV; i += blockDim.x) {
+    const int t = max(t0, live_end) + i / NV;
+    stg16(out_row(t) + (i % NV) * V, make_uint4(0, 0, 0, 0));
+  }
+  if (t0 >= live_end) return make_int2(0, 0);
+  const int group = p.num_q_heads / p.num_kv_heads;
+  if (qh % group == 0) {
+    const int hkv = qh / group;
+    for (int i = threadIdx.x; i < (live_end - t0) * NV; i += blockDim.x) {
+      const int t = t0 + i / NV, c = (i % NV) * V;
+      const int64_t src =
+          ((static_cast<int64_t>(b) * T_ + t) * p.num_kv_heads + hkv) * HEAD_DIM + c;
+      const int64_t dst = kv_offset(p.cache, b, L + t, hkv) + c;
+      stg16(p.k_cache + dst, ldg16(p.k_new + src));
+      stg16(p.v_cache + dst, ldg16(p.v_new + src));
+    }
+  }
+  return make_int2(t0, live_end);
+}
+
+}  // namespace prefill
+
+// The wgmma kernel (bf16/f16, HEAD_DIM 64 or 128; sm_90a SASS, so compute capability 9.0 only).
+template <typename T, int HEAD_DIM>
+cudaError_t LaunchGqaPrefillWgmma(const GqaParams<T>& p, cudaStream_t stream);
+
+}  // namespace jax_kv

@@ -1,0 +1,267 @@
+// GQA prefill on Hopper's warpgroup MMA (wgmma): the contract and the fused append of the
+// mma.sync kernel (cuda/gqa_prefill.cu), for bf16/f16 at head dims 64 and 128.
+//
+// Grid (ceil(T / 128), Hq, B); two warpgroups of 64 query rows each. Q, K and V tiles sit in
+// shared memory in the 128-byte swizzled layout wgmma reads directly: S = Q K^T is an
+// m64n128k16 product with both operands in shared memory, and O += P V takes P from the S
+// accumulators in registers (rounded to T, as FlashAttention does) and V through the
+// transposed-B mode, so neither K nor V passes through registers. All 256 threads stream
+// K/V blocks through a 2-stage cp.async ring, one block ahead, issuing the next block's copies
+// while the tensor cores compute S.
+#include <algorithm>
+#include <atomic>
+
+#include "cuda/cp_async.cuh"
+#include "cuda/device_info.h"
+#include "cuda/gqa_prefill_common.cuh"
+#include "cuda/kernel_common.cuh"
+#include "cuda/mma.cuh"
+#include "cuda/wgmma.cuh"
+
+namespace jax_kv {
+namespace {
+
+constexpr int kBlockM = 128;  // query rows per CTA: two warpgroups of 64
+constexpr int kBlockN = 128;  // keys per block (the N of S = Q K^T)
+constexpr int kThreads = 256;
+
+template <int HEAD_DIM>
+struct WgmmaShape {
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "swizzle atoms hold 64-element columns");
+  static constexpr int kQBytes = kBlockM * HEAD_DIM * 2;
+  static constexpr int kTileBytes = kBlockN * HEAD_DIM * 2;  // one K or V block
+  static constexpr int kStages = 2;
+  // + 1 KB: the dynamic window is only 16-byte aligned, the swizzle atoms need 1024.
+  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kTileBytes + 1024;
+};
+
+#if JKV_HAS_WGMMA
+constexpr int kRowBytes = 128;  // one swizzle-atom row: 64 b16 elements
+
+// Byte offset of 16-byte chunk c of row r in a [rows, HEAD_DIM] tile stored as HEAD_DIM / 64
+// column blocks of [rows, 64], each row 128 bytes with chunk c % 8 at (c % 8) ^ (r % 8). That
+// is wgmma's 128-byte swizzle both for a K-major operand (Q, K: rows are M or N) and for an
+// MN-major one (V: rows are K), and it spreads cp.async's writes of a column over all banks.
+__device__ __forceinline__ uint32_t SwizzledChunk(int rows, int r, int c) {
+  return static_cast<uint32_t>(((c >> 3) * rows + r) * kRowBytes + (((c & 7) ^ (r & 7)) << 4));
+}
+#endif
+
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(kThreads, 1) GqaPrefillWgmmaKernel(const GqaParams<T> p) {
+#if JKV_HAS_WGMMA
+  using Sh = WgmmaShape<HEAD_DIM>;
+  constexpr int NV = HEAD_DIM / 8;  // 16-byte chunks per row
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t sq = (SmemAddr(smem_raw) + 1023u) & ~1023u;  // [kBlockM, HEAD_DIM]
+  // Stage s: K block at sk(s), V block right after it.
+  auto sk = [&](int stage) { return sq + Sh::kQBytes + stage * 2 * Sh::kTileBytes; };
+
+  const int mblock = gridDim.x - 1 - blockIdx.x;  // late (long) query blocks start first
+  const int qh = blockIdx.y, b = blockIdx.z;
+  const int T_ = p.num_tokens;
+  const int group = p.num_q_heads / p.num_kv_heads, hkv = qh / group;
+  const int L = p.lengths[b];
+  const int n_new = p.new_lengths ? p.new_lengths[b] : T_;
+  const int m0 = mblock * kBlockM;
+  const int2 rows = prefill::PrefillPrologue<T, HEAD_DIM>(p, b, qh, m0, min(m0 + kBlockM, T_),
+                                                          blockIdx.x == 0 && qh == 0, L, n_new);
+  if (rows.x >= rows.y) return;
+  const int live_end = rows.y;
+
+  const int tid = threadIdx.x, wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
+  const int gid = lane / 4, tig = lane % 4;
+  const int64_t q_row0 = static_cast<int64_t>(b) * T_;
+  for (int i = tid; i < kBlockM * NV; i += kThreads) {
+    const int r = i / NV, c = i % NV, t = m0 + r;
+    const bool pred = t < live_end;
+    const T* src = pred ? p.q + ((q_row0 + t) * p.num_q_heads + qh) * HEAD_DIM + c * 8 : p.q;
+    CpAsync16(sq + SwizzledChunk(kBlockM, r, c), src, pred);
+  }
+  const int p_lo = L + m0, p_hi = L + live_end - 1;  // positions of the first / last live row
+  const int kv_lo = p.window > 0 ? max(0, p_lo + 1 - p.window) : 0;
+  const int kv_hi = p_hi;  // inclusive: keys past the last live row are never needed
+  const int nblocks = (kv_hi - kv_lo + kBlockN) / kBlockN;
+  // Each thread copies one fixed 16-byte column c of rows r0, r0 + kRowsPerPass, ... of a K/V
+  // block: its sources step by one position stride, its swizzled targets by constant offsets
+  // (kRowsPerPass is a multiple of 8, so the XOR pattern is the same on every pass).
+  constexpr int kRowsPerPass = kThreads / NV;
+  const int c = tid % NV, r0 = tid / NV;
+  const int64_t cache_off0 = kv_offset(p.cache, b, 0, hkv) + c * 8;  // + pos * cache.s
+  const int64_t new_stride = static_cast<int64_t>(p.num_kv_heads) * HEAD_DIM;
+  const int64_t new_off0 = (q_row0 - L) * new_stride + hkv * HEAD_DIM + c * 8;  // + pos * stride
+  const uint32_t dst0 = SwizzledChunk(kBlockN, r0, c);
+  auto load_kv = [&](int j, int stage) {
+    const uint32_t k_base = sk(stage) + dst0, v_base = k_base + Sh::kTileBytes;
+#pragma unroll
+    for (int pass = 0; pass < kBlockN / kRowsPerPass; ++pass) {
+      const int pos = kv_lo + j * kBlockN + r0 + pass * kRowsPerPass;
+      const bool pred = pos <= kv_hi, cached = pos < L;  // keys at >= L come from k/v
+      const int64_t off =
+          pred ? (cached ? cache_off0 + pos * p.cache.s : new_off0 + pos * new_stride) : 0;
+      const uint32_t dst = pass * kRowsPerPass * kRowBytes;
+      CpAsync16(k_base + dst, (cached ? p.k_cache : p.k_new) + off, pred);
+      CpAsync16(v_base + dst, (cached ? p.v_cache : p.v_new) + off, pred);
+    }
+  };
+  load_kv(0, 0);
+  CpAsyncCommit();
+
+  const bool use_softcap = p.softcap > 0.0f;
+  const float qk_mul = use_softcap ? p.scale / p.softcap : p.scale * kLog2e;
+  const float cap_log2 = p.softcap * kLog2e;
+  const int wg_row0 = m0 + wg * 64;  // this warpgroup's first query row
+  const int wg_p_lo = L + wg_row0, wg_p_hi = L + min(wg_row0 + 63, live_end - 1);
+  const int row_pos[2] = {wg_p_lo + warp * 16 + gid, wg_p_lo + warp * 16 + gid + 8};
+  const uint32_t q_wg = sq + wg * 64 * kRowBytes;
+  // Accumulator fragments: element 4n + e is row gid + 8 (e / 2), column 8n + 2 tig + e % 2
+  // of the warp's 16 rows (the m16n8 C layout, n-tile after n-tile).
+  float o[HEAD_DIM / 2];
+#pragma unroll
+  for (int i = 0; i < HEAD_DIM / 2; ++i) o[i] = 0.0f;
+  float m[2] = {kMaxSentinel, kMaxSentinel}, l[2] = {0.0f, 0.0f};
+
+  for (int j = 0; j < nblocks; ++j) {
+    CpAsyncWait<0>();  // block j (and, at j = 0, Q): the only group in flight
+    FenceProxyAsyncShared();
+    __syncthreads();  // every thread's copies landed; both warpgroups are done with block j - 1
+    const int n0 = kv_lo + j * kBlockN;
+    // A warpgroup whose rows all lie before this block (causal) or past its window skips it.
+    const bool wg_live = wg_row0 < live_end && n0 <= wg_p_hi &&
+                         (p.window <= 0 || n0 + kBlockN - 1 > wg_p_lo - p.window);
+    const uint32_t k_base = sk(j & 1), v_base = k_base + Sh::kTileBytes;
+    auto load_next = [&]() {
+      if (j + 1 < nblocks) {
+        load_kv(j + 1, (j + 1) & 1);
+        CpAsyncCommit();
+      }
+    };
+    if (!wg_live) {
+      load_next();
+      continue;
+    }
+    float s[kBlockN / 2];
+#pragma unroll
+    for (int i = 0; i < kBlockN / 2; ++i) s[i] = 0.0f;
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+      // k-step kk: column block kk / 4, 32 bytes per step inside it (the hardware swizzles).
+      const uint32_t col = (kk / 4) * kRowBytes, step = (kk % 4) * 32;
+      WgmmaSS<T, kBlockN>(s, SmemDescSw128(q_wg + col * kBlockM + step, 16, 8 * kRowBytes),
+                          SmemDescSw128(k_base + col * kBlockN + step, 16, 8 * kRowBytes), kk > 0);
+    }
+    WgmmaCommit();
+    load_next();  // the next block's copies go out while the tensor cores compute S
+    WgmmaWait<0>();
+    WgmmaFenceOperands(s);
+
+    // Mask only the blocks that cross this warpgroup's diagonal, window edge or last key.
+    const bool need_mask = n0 + kBlockN - 1 > wg_p_lo || (p.window > 0 && n0 <= wg_p_hi - p.window);
+#pragma unroll
+    for (int n = 0; n < kBlockN / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[4 * n + e] * qk_mul;
+        if (use_softcap) x = cap_log2 * TanhBranchless(x);
+        if (need_mask) {
+          const int key = n0 + n * 8 + tig * 2 + (e & 1), rp = row_pos[e / 2];
+          if (key > rp || (p.window > 0 && key <= rp - p.window)) x = -INFINITY;
+        }
+        s[4 * n + e] = x;
+      }
+    }
+    // Four independent chains per row for the max and the sum: with two warps per scheduler a
+    // 32-long dependent chain of FMNMX / FADD would stall on latency.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx4[4] = {m[r], m[r], m[r], m[r]};
+#pragma unroll
+      for (int n = 0; n < kBlockN / 8; ++n) {
+        mx4[2 * (n % 2)] = fmaxf(mx4[2 * (n % 2)], s[4 * n + 2 * r]);
+        mx4[2 * (n % 2) + 1] = fmaxf(mx4[2 * (n % 2) + 1], s[4 * n + 2 * r + 1]);
+      }
+      float mx = fmaxf(fmaxf(mx4[0], mx4[1]), fmaxf(mx4[2], mx4[3]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float corr = Exp2Fast(m[r] - mx);
+      m[r] = mx;
+#pragma unroll
+      for (int d = 0; d < HEAD_DIM / 8; ++d) {
+        o[4 * d + 2 * r] *= corr;
+        o[4 * d + 2 * r + 1] *= corr;
+      }
+      float sum4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int n = 0; n < kBlockN / 8; ++n) {
+        s[4 * n + 2 * r] = Exp2Fast(s[4 * n + 2 * r] - mx);
+        s[4 * n + 2 * r + 1] = Exp2Fast(s[4 * n + 2 * r + 1] - mx);
+        sum4[2 * (n % 2)] += s[4 * n + 2 * r];
+        sum4[2 * (n % 2) + 1] += s[4 * n + 2 * r + 1];
+      }
+      l[r] = l[r] * corr + ((sum4[0] + sum4[1]) + (sum4[2] + sum4[3]));
+    }
+    // O += P V: the accumulators of n-tiles 2kk and 2kk + 1 are exactly the A fragment of
+    // k-step kk; V's rows 16kk.. start 16 * 128 bytes further on (two 8-row groups).
+    uint32_t pa[kBlockN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      pa[kk][0] = Pack2<T>(s[8 * kk], s[8 * kk + 1]);
+      pa[kk][1] = Pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+      pa[kk][2] = Pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+      pa[kk][3] = Pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      WgmmaRS<T, HEAD_DIM>(
+          o, pa[kk],
+          SmemDescSw128(v_base + kk * 16 * kRowBytes, kBlockN * kRowBytes, 8 * kRowBytes), 1);
+    }
+    WgmmaCommit();
+    WgmmaWait<0>();
+    WgmmaFenceOperands(o);
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    const int t = wg_row0 + warp * 16 + gid + 8 * r;
+    if (t < live_end) {
+      const float inv = 1.0f / l[r];
+      T* out = p.out + ((q_row0 + t) * p.num_q_heads + qh) * HEAD_DIM;
+#pragma unroll
+      for (int d = 0; d < HEAD_DIM / 8; ++d) {
+        *reinterpret_cast<uint32_t*>(out + d * 8 + tig * 2) =
+            Pack2<T>(o[4 * d + 2 * r] * inv, o[4 * d + 2 * r + 1] * inv);
+      }
+    }
+  }
+#else
+  (void)p;
+  __trap();  // compute_90 PTX: the launcher never picks this kernel off sm_90a
+#endif
+}
+
+}  // namespace
+
+template <typename T, int HEAD_DIM>
+cudaError_t LaunchGqaPrefillWgmma(const GqaParams<T>& p, cudaStream_t stream) {
+  using Sh = WgmmaShape<HEAD_DIM>;
+  static std::atomic<uint64_t> configured{0};
+  const cudaError_t allowed =
+      AllowDynamicSmem(reinterpret_cast<const void*>(GqaPrefillWgmmaKernel<T, HEAD_DIM>),
+                       Sh::kSmemBytes, configured);
+  if (allowed != cudaSuccess) return allowed;
+  const dim3 grid(std::max(1, (p.num_tokens + kBlockM - 1) / kBlockM), p.num_q_heads, p.batch);
+  GqaPrefillWgmmaKernel<T, HEAD_DIM><<<grid, kThreads, Sh::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template cudaError_t LaunchGqaPrefillWgmma<bf16_t, 64>(const GqaParams<bf16_t>&, cudaStream_t);
+template cudaError_t LaunchGqaPrefillWgmma<bf16_t, 128>(const GqaParams<bf16_t>&, cudaStream_t);
+template cudaError_t LaunchGqaPrefillWgmma<f16_t, 64>(const GqaParams<f16_t>&, cudaStream_t);
+template cudaError_t LaunchGqaPrefillWgmma<f16_t, 128>(const GqaParams<f16_t>&, cudaStream_t);
+
+}  // namespace jax_kv
