@@ -27,6 +27,7 @@ def register() -> None:
         from jax_kv.config import runtime_config
 
         cuda.set_decode_kernel(runtime_config().decode_kernel)
+        cuda.set_prefill_kernel(runtime_config().prefill_kernel)
         for name, capsule in cuda.registrations().items():
             jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
 

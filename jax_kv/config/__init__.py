@@ -76,6 +76,13 @@ def _decode_kernel(name: str, raw: str) -> int:
     return value
 
 
+def _prefill_kernel(name: str, raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in ("auto", "mma"):
+        raise ConfigError(f"{name}: expected auto or mma, got {raw!r}")
+    return value
+
+
 def _on_off(name: str, raw: str) -> bool:
     value = raw.strip().lower()
     if value not in ("1", "0", "on", "off"):
@@ -109,6 +116,10 @@ class RuntimeConfig:
         kernel).
         Applied when the CUDA module is registered; `_ffi_cuda.set_decode_kernel` changes it
         later (a recorded CUDA graph keeps the kernel it was recorded with).
+    prefill_kernel: JAX_KV_PREFILL_KERNEL, which CUDA prefill kernel gqa_prefill launches:
+        "auto" (the default: the wgmma kernel for bf16/f16 at head dims 64 and 128 on a
+        compute-capability 9.0 GPU, the mma.sync kernel otherwise) or "mma" (mma.sync always).
+        Applied like decode_kernel (`_ffi_cuda.set_prefill_kernel` changes it later).
     matvec: JAX_KV_MATVEC, on: the models' projections at B * T <= 4 rows run as the CUDA
         matvec kernel with the norm, SwiGLU and residual folded in; off (the default): XLA's
         dots, faster on the H200 at Qwen2.5-0.5B (1275 vs 1184 tok/s) and a tie at Llama-3-8B
@@ -122,6 +133,7 @@ class RuntimeConfig:
     pool_bytes: int = 64 << 20
     decode_kernel: int = 3
     matvec: bool = False
+    prefill_kernel: str = "auto"
 
 
 # variable -> (field, parser). The one table both from_env and the freeze guard read, so the
@@ -134,6 +146,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "JAX_KV_POOL_BYTES": ("pool_bytes", _pool_bytes),
     "JAX_KV_DECODE_KERNEL": ("decode_kernel", _decode_kernel),
     "JAX_KV_MATVEC": ("matvec", _on_off),
+    "JAX_KV_PREFILL_KERNEL": ("prefill_kernel", _prefill_kernel),
 }
 
 

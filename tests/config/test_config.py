@@ -38,9 +38,11 @@ def test_parses_each_variable():
         "JAX_KV_POOL_BYTES": "0",
         "JAX_KV_DECODE_KERNEL": "1",
         "JAX_KV_MATVEC": "on",
+        "JAX_KV_PREFILL_KERNEL": "MMA",
     }
     assert set(env) == set(variables())
-    assert from_env(env) == RuntimeConfig(64, "eager", 64 << 30, 128, 0, 1, True)
+    assert from_env(env) == RuntimeConfig(64, "eager", 64 << 30, 128, 0, 1, True, "mma")
+    assert RuntimeConfig().prefill_kernel == "auto"
     assert RuntimeConfig().decode_kernel == 3
     assert RuntimeConfig().matvec is False
 
@@ -57,6 +59,7 @@ def test_parses_each_variable():
         ("JAX_KV_DECODE_KERNEL", "4"),
         ("JAX_KV_DECODE_KERNEL", "v2"),
         ("JAX_KV_MATVEC", "yes"),
+        ("JAX_KV_PREFILL_KERNEL", "wgmma"),
     ],
 )
 def test_invalid_value_names_the_variable(name, raw):
