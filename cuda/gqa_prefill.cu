@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(32) GqaPrefillRowKernel(const GqaParams<T> p) 
 template <typename T, int HEAD_DIM>
 cudaError_t LaunchForHeadDim(const GqaParams<T>& p, cudaStream_t stream, PrefillKernel kernel) {
   if constexpr (!std::is_same_v<T, float> && (HEAD_DIM == 64 || HEAD_DIM == 128)) {
-    if (kernel == PrefillKernel::kAuto && CurrentDeviceComputeCapability() == 90) {
+    if (PrefillUsesWgmma(kernel, HEAD_DIM, sizeof(T))) {
       return LaunchGqaPrefillWgmma<T, HEAD_DIM>(p, stream);
     }
   }
@@ -286,6 +286,11 @@ cudaError_t LaunchForHeadDim(const GqaParams<T>& p, cudaStream_t stream, Prefill
 }
 
 }  // namespace
+
+bool PrefillUsesWgmma(PrefillKernel kernel, int head_dim, int itemsize) {
+  return kernel == PrefillKernel::kAuto && itemsize == 2 && (head_dim == 64 || head_dim == 128) &&
+         CurrentDeviceComputeCapability() == 90;
+}
 
 template <typename T>
 cudaError_t LaunchGqaPrefill(const GqaParams<T>& p, cudaStream_t stream, PrefillKernel kernel) {

@@ -16,6 +16,10 @@ namespace jax_kv {
 // kernel (f32 takes its own path either way).
 enum class PrefillKernel { kAuto = 0, kMma = 1 };
 
+// Whether LaunchGqaPrefill runs the wgmma kernel for this choice, head dim and element size
+// on the current device.
+bool PrefillUsesWgmma(PrefillKernel kernel, int head_dim, int itemsize);
+
 template <typename T>
 cudaError_t LaunchGqaPrefill(const GqaParams<T>& p, cudaStream_t stream,
                              PrefillKernel kernel = PrefillKernel::kAuto);

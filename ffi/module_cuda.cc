@@ -10,7 +10,6 @@
 #include <stdexcept>
 #include <string>
 
-#include "cuda/device_info.h"
 #include "cuda/gqa_decode.cuh"
 #include "cuda/gqa_prefill.cuh"
 #include "ffi/host_calls.h"
@@ -136,10 +135,10 @@ NB_MODULE(_ffi_cuda, m) {
   m.def(
       "prefill_uses_wgmma",
       [](int head_dim, int itemsize) {
-        return jax_kv::g_prefill_kernel.load(std::memory_order_relaxed) ==
-                   static_cast<int>(jax_kv::PrefillKernel::kAuto) &&
-               itemsize == 2 && (head_dim == 64 || head_dim == 128) &&
-               jax_kv::CurrentDeviceComputeCapability() == 90;
+        return jax_kv::PrefillUsesWgmma(
+            static_cast<jax_kv::PrefillKernel>(
+                jax_kv::g_prefill_kernel.load(std::memory_order_relaxed)),
+            head_dim, itemsize);
       },
       nb::arg("head_dim"), nb::arg("itemsize"),
       "Whether the prefill handler launches the wgmma kernel for this head dim and item size.");
