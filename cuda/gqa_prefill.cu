@@ -44,21 +44,14 @@ __global__ void __launch_bounds__(kThreads) GqaPrefillMmaKernel(const GqaParams<
   T* sk = sq + kBlockM * ST;               // [2][BN][ST]
   T* sv = sk + 2 * BN * ST;                // [2][BN][ST]
 
-  const int mblock = gridDim.x - 1 - blockIdx.x;  // late (long) query blocks start first
-  const int qh = blockIdx.y, b = blockIdx.z;
-  const int T_ = p.num_tokens;
-  const int group = p.num_q_heads / p.num_kv_heads, hkv = qh / group;
-  const int L = p.lengths[b];
-  const int n_new = p.new_lengths ? p.new_lengths[b] : T_;
-  const int m0 = mblock * kBlockM;
-  const int2 rows = prefill::PrefillPrologue<T, HEAD_DIM>(p, b, qh, m0, min(m0 + kBlockM, T_),
-                                                          blockIdx.x == 0 && qh == 0, L, n_new);
-  if (rows.x >= rows.y) return;
-  const int live_end = rows.y;
+  prefill::PrefillCta cta;
+  if (!prefill::BeginPrefillCta<T, HEAD_DIM>(p, kBlockM, cta)) return;
+  const int b = cta.b, qh = cta.qh, hkv = cta.hkv, L = cta.L, m0 = cta.m0;
+  const int live_end = cta.live_end;
+  const int64_t q_row0 = cta.q_row0;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int gid = lane / 4, tig = lane % 4;
-  const int64_t q_row0 = static_cast<int64_t>(b) * T_;
   for (int i = tid; i < kBlockM * NV; i += kThreads) {
     const int r = i / NV, c = (i % NV) * 8, t = m0 + r;
     const bool pred = t < live_end;
@@ -186,21 +179,8 @@ __global__ void __launch_bounds__(kThreads) GqaPrefillMmaKernel(const GqaParams<
     __syncthreads();  // the next iteration's loads overwrite this stage
   }
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    const int t = m0 + warp * 16 + gid + 8 * r;
-    if (t < live_end) {
-      const float inv = 1.0f / l[r];
-      T* out = p.out + ((q_row0 + t) * p.num_q_heads + qh) * HEAD_DIM;
-#pragma unroll
-      for (int d = 0; d < Sh::kDTiles; ++d) {
-        *reinterpret_cast<uint32_t*>(out + d * 8 + tig * 2) =
-            Pack2<T>(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
-      }
-    }
-  }
+  prefill::StoreWarpRows<T, HEAD_DIM>(p, cta, m0 + warp * 16,
+                                      reinterpret_cast<const float (&)[HEAD_DIM / 2]>(o), l);
 }
 
 // One warp per query row: the f32 path (and the reference-style fallback). Grid (T, Hq, B).

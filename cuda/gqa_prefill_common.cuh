@@ -7,6 +7,7 @@
 
 #include "cuda/gqa_params.h"
 #include "cuda/kernel_common.cuh"
+#include "cuda/mma.cuh"
 
 namespace jax_kv {
 namespace prefill {
@@ -60,6 +61,55 @@ __device__ __forceinline__ int2 PrefillPrologue(const GqaParams<T>& p, int b, in
     }
   }
   return make_int2(t0, live_end);
+}
+
+// The sequence, query head and query block of this CTA (grid: query blocks of block_m rows in
+// reverse order, so the late, long ones start first; Hq; B), past the shared prologue. False:
+// the CTA has no live query row left to compute.
+struct PrefillCta {
+  int b, qh, hkv, L, m0, live_end;
+  int64_t q_row0;  // b * T: the row of this sequence's token 0 in q, k_new, v_new and out
+};
+
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ bool BeginPrefillCta(const GqaParams<T>& p, int block_m, PrefillCta& c) {
+  const int T_ = p.num_tokens;
+  c.qh = blockIdx.y;
+  c.b = blockIdx.z;
+  c.hkv = c.qh / (p.num_q_heads / p.num_kv_heads);
+  c.L = p.lengths[c.b];
+  c.m0 = (gridDim.x - 1 - blockIdx.x) * block_m;
+  c.q_row0 = static_cast<int64_t>(c.b) * T_;
+  const int n_new = p.new_lengths ? p.new_lengths[c.b] : T_;
+  const int2 rows = PrefillPrologue<T, HEAD_DIM>(p, c.b, c.qh, c.m0, min(c.m0 + block_m, T_),
+                                                 blockIdx.x == 0 && c.qh == 0, c.L, n_new);
+  c.live_end = rows.y;
+  return rows.x < rows.y;
+}
+
+// Stores this thread's two rows of its warp's 16 output rows (row0 + gid and row0 + gid + 8)
+// from flat m16n8 accumulators (element 4d + e: row gid + 8 (e / 2), column 8d + 2 tig + e % 2),
+// divided by the row sums, each reduced over the quad first. Rows at or past live_end stay
+// as the prologue left them.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void StoreWarpRows(const GqaParams<T>& p, const PrefillCta& c, int row0,
+                                              const float (&o)[HEAD_DIM / 2], float (&l)[2]) {
+  const int gid = (threadIdx.x % 32) / 4, tig = threadIdx.x % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    const int t = row0 + gid + 8 * r;
+    if (t < c.live_end) {
+      const float inv = 1.0f / l[r];
+      T* out = p.out + ((c.q_row0 + t) * p.num_q_heads + c.qh) * HEAD_DIM;
+#pragma unroll
+      for (int d = 0; d < HEAD_DIM / 8; ++d) {
+        *reinterpret_cast<uint32_t*>(out + d * 8 + tig * 2) =
+            Pack2<T>(o[4 * d + 2 * r] * inv, o[4 * d + 2 * r + 1] * inv);
+      }
+    }
+  }
 }
 
 }  // namespace prefill
