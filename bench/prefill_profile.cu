@@ -1,23 +1,28 @@
 // Standalone driver of the CUDA prefill kernels for Nsight Compute, built without Python, XLA
 // or the FFI module (seconds to compile against minutes for the package):
 //
-//   nvcc -O3 -std=c++17 -I. -arch=sm_90a -o /tmp/prefill_profile bench/prefill_profile.cu \
-//       cuda/gqa_prefill.cu cuda/gqa_prefill_wgmma.cu cuda/device_info.cu
-//   /tmp/prefill_profile [T] [past]           # times both kernels (CUDA events, median)
+//   nvcc -O3 -std=c++17 -I. -arch=sm_90a -DJKV_PREFILL_ALL_CONFIGS -o /tmp/prefill_profile \
+//       bench/prefill_profile.cu cuda/gqa_prefill.cu cuda/gqa_prefill_wgmma.cu cuda/device_info.cu
+//   /tmp/prefill_profile [T] [past]    # times the kernels (CUDA events, median), checks each
+//                                      # wgmma configuration's output against mma.sync's
 //   ncu --set full -k regex:GqaPrefill -c 1 /tmp/prefill_profile 16384 0 1
 //
 // bf16, B=1, Hq=32, Hkv=8, D=128, seq-major cache, random inputs. The third argument limits the
-// run to one launch of the default kernel (for the profiler). It checks nothing: the GPU tests
-// do (tests/ops/test_gpu_ops.py); bench/attention.py gives the figures of record.
+// run to one launch of the default kernel (for the profiler). The check is a smoke test of the
+// configurations the handler does not launch; the GPU tests (tests/ops/test_gpu_ops.py) check
+// the default one, and bench/attention.py gives the figures of record.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <vector>
 
 #include "cuda/dtypes.h"
 #include "cuda/gqa_prefill.cuh"
+#include "cuda/gqa_prefill_common.cuh"
 
 namespace {
 
@@ -86,16 +91,50 @@ int main(int argc, char** argv) {
     return 0;
   }
   const double flops = 4.0 * kHq * kD * (double(T) * past + double(T) * (T + 1) / 2);
+  using P = jax_kv::GqaParams<jax_kv::bf16_t>;
+  using jax_kv::bf16_t;
+  const std::pair<const char*, std::function<cudaError_t(const P&)>> kernels[] = {
+      {"mma.sync",
+       [](const P& q) { return LaunchGqaPrefill(q, nullptr, jax_kv::PrefillKernel::kMma); }},
+      {"wgmma default (2 wg, 128 keys)", [](const P& q) { return LaunchGqaPrefill(q, nullptr); }},
+      {"wgmma 2 wg, 64 keys, S pipelined",
+       [](const P& q) {
+         return jax_kv::LaunchGqaPrefillWgmmaConfig<bf16_t, kD, 2, 64, true>(q, nullptr);
+       }},
+      {"wgmma 2 wg, 64 keys",
+       [](const P& q) {
+         return jax_kv::LaunchGqaPrefillWgmmaConfig<bf16_t, kD, 2, 64, false>(q, nullptr);
+       }},
+      {"wgmma 1 wg, 64 keys (2 CTAs/SM)",
+       [](const P& q) {
+         return jax_kv::LaunchGqaPrefillWgmmaConfig<bf16_t, kD, 1, 64, false>(q, nullptr);
+       }},
+      {"wgmma 1 wg, 128 keys",
+       [](const P& q) {
+         return jax_kv::LaunchGqaPrefillWgmmaConfig<bf16_t, kD, 1, 128, false>(q, nullptr);
+       }},
+  };
+  const int64_t n_out = int64_t{T} * kHq * kD;
+  std::vector<bf16_t> ref(n_out), got(n_out);
   cudaEvent_t start, stop;
   CHECK(cudaEventCreate(&start));
   CHECK(cudaEventCreate(&stop));
-  for (auto kernel : {jax_kv::PrefillKernel::kAuto, jax_kv::PrefillKernel::kMma}) {
+  for (const auto& [name, launch] : kernels) {
+    CHECK(cudaMemset(p.out, 0xff, n_out * sizeof(bf16_t)));  // NaN: a row left unwritten shows
+    CHECK(launch(p));
+    CHECK(cudaDeviceSynchronize());
+    CHECK(cudaMemcpy(got.data(), p.out, n_out * sizeof(bf16_t), cudaMemcpyDeviceToHost));
+    if (&name == &kernels[0].first) ref = got;
+    double max_diff = 0;
+    for (int64_t i = 0; i < n_out; ++i) {
+      const double d = std::fabs(double(__bfloat162float(got[i])) - __bfloat162float(ref[i]));
+      max_diff = std::isnan(d) ? INFINITY : std::max(max_diff, d);
+    }
     std::vector<float> ms;
     for (int rep = 0; rep < 7; ++rep) {
-      CHECK(jax_kv::LaunchGqaPrefill(p, nullptr, kernel));  // warm-up / smem opt-in
-      CHECK(cudaEventRecord(start));
       constexpr int kIters = 5;
-      for (int i = 0; i < kIters; ++i) CHECK(jax_kv::LaunchGqaPrefill(p, nullptr, kernel));
+      CHECK(cudaEventRecord(start));
+      for (int i = 0; i < kIters; ++i) CHECK(launch(p));
       CHECK(cudaEventRecord(stop));
       CHECK(cudaEventSynchronize(stop));
       float t = 0;
@@ -103,9 +142,10 @@ int main(int argc, char** argv) {
       ms.push_back(t / kIters);
     }
     std::sort(ms.begin(), ms.end());
-    std::printf("T=%d past=%d %-5s %.3f ms %.1f TFLOP/s\n", T, past,
-                kernel == jax_kv::PrefillKernel::kAuto ? "auto" : "mma", ms[ms.size() / 2],
-                flops / (ms[ms.size() / 2] * 1e-3) / 1e12);
+    const float med = ms[ms.size() / 2];
+    std::printf("T=%d past=%d %-34s %8.3f ms %6.1f TFLOP/s  max |out - mma.sync| %.2e %s\n", T,
+                past, name, med, flops / (med * 1e-3) / 1e12, max_diff,
+                max_diff <= 2e-2 ? "ok" : "MISMATCH");
   }
   return 0;
 }

@@ -21,19 +21,28 @@
 namespace jax_kv {
 namespace {
 
-constexpr int kBlockM = 128;  // query rows per CTA: two warpgroups of 64
-constexpr int kBlockN = 128;  // keys per block (the N of S = Q K^T)
-constexpr int kThreads = 256;
-
-template <int HEAD_DIM>
+// One kernel configuration: WGS warpgroups of 64 query rows per CTA, BLOCK_N keys per block;
+// PIPELINE issues the next block's S = Q K^T before this block's softmax, so the tensor cores
+// work while the warpgroup computes exponentials (a 3-stage ring and a second S in registers),
+// where the plain loop issues S, waits for it, and leaves the tensor cores idle during softmax.
+template <int HEAD_DIM, int WGS, int BLOCK_N, bool PIPELINE>
 struct WgmmaShape {
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "swizzle atoms hold 64-element columns");
+  static_assert(BLOCK_N == 64 || BLOCK_N == 128, "wgmma N of S: 64 or 128");
+  static constexpr int kBlockM = 64 * WGS;  // query rows per CTA
+  static constexpr int kThreads = 128 * WGS;
+  static constexpr int kStages = PIPELINE ? 3 : 2;
   static constexpr int kQBytes = kBlockM * HEAD_DIM * 2;
-  static constexpr int kTileBytes = kBlockN * HEAD_DIM * 2;  // one K or V block
-  static constexpr int kStages = 2;
+  static constexpr int kTileBytes = BLOCK_N * HEAD_DIM * 2;  // one K or V block
   // + 1 KB: the dynamic window is only 16-byte aligned, the swizzle atoms need 1024.
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kTileBytes + 1024;
+  // One warpgroup per CTA asks for two CTAs per SM: their phases interleave on their own.
+  static constexpr int kMinCtasPerSm = WGS == 1 ? 2 : 1;
 };
+
+// The configuration the handler launches (measured: bench/NOTES.md, "Prefill on wgmma").
+constexpr int kDefaultWarpgroups = 2, kDefaultBlockN = 128;
+constexpr bool kDefaultPipeline = false;
 
 #if JKV_HAS_WGMMA
 constexpr int kRowBytes = 128;  // one swizzle-atom row: 64 b16 elements
@@ -47,10 +56,14 @@ __device__ __forceinline__ uint32_t SwizzledChunk(int rows, int r, int c) {
 }
 #endif
 
-template <typename T, int HEAD_DIM>
-__global__ void __launch_bounds__(kThreads, 1) GqaPrefillWgmmaKernel(const GqaParams<T> p) {
+template <typename T, int HEAD_DIM, int WGS, int BLOCK_N, bool PIPELINE>
+__global__ void __launch_bounds__(WgmmaShape<HEAD_DIM, WGS, BLOCK_N, PIPELINE>::kThreads,
+                                  WgmmaShape<HEAD_DIM, WGS, BLOCK_N, PIPELINE>::kMinCtasPerSm)
+    GqaPrefillWgmmaKernel(const GqaParams<T> p) {
 #if JKV_HAS_WGMMA
-  using Sh = WgmmaShape<HEAD_DIM>;
+  using Sh = WgmmaShape<HEAD_DIM, WGS, BLOCK_N, PIPELINE>;
+  constexpr int kBlockM = Sh::kBlockM, kBlockN = BLOCK_N, kThreads = Sh::kThreads;
+  constexpr int kStages = Sh::kStages;
   constexpr int NV = HEAD_DIM / 8;  // 16-byte chunks per row
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t sq = (SmemAddr(smem_raw) + 1023u) & ~1023u;  // [kBlockM, HEAD_DIM]
@@ -97,9 +110,6 @@ __global__ void __launch_bounds__(kThreads, 1) GqaPrefillWgmmaKernel(const GqaPa
       CpAsync16(v_base + dst, (cached ? p.v_cache : p.v_new) + off, pred);
     }
   };
-  load_kv(0, 0);
-  CpAsyncCommit();
-
   const bool use_softcap = p.softcap > 0.0f;
   const float qk_mul = use_softcap ? p.scale / p.softcap : p.scale * kLog2e;
   const float cap_log2 = p.softcap * kLog2e;
@@ -107,47 +117,75 @@ __global__ void __launch_bounds__(kThreads, 1) GqaPrefillWgmmaKernel(const GqaPa
   const int wg_p_lo = L + wg_row0, wg_p_hi = L + min(wg_row0 + 63, live_end - 1);
   const int row_pos[2] = {wg_p_lo + warp * 16 + gid, wg_p_lo + warp * 16 + gid + 8};
   const uint32_t q_wg = sq + wg * 64 * kRowBytes;
+  // S = Q K^T of block `blk` into `acc` (committed, not waited). Every warpgroup computes every
+  // block of the CTA's range, even one wholly masked for its rows (at most one past its
+  // diagonal or window edge): a wgmma under a warpgroup-dependent branch makes ptxas
+  // serialize all of them.
+  auto issue_s = [&](float (&acc)[kBlockN / 2], int blk) {
+    const uint32_t k_base = sk(blk % kStages);
+#pragma unroll
+    for (int i = 0; i < kBlockN / 2; ++i) acc[i] = 0.0f;
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+      // k-step kk: column block kk / 4, 32 bytes per step inside it (the hardware swizzles).
+      const uint32_t col = (kk / 4) * kRowBytes, step = (kk % 4) * 32;
+      WgmmaSS<T, kBlockN>(acc, SmemDescSw128(q_wg + col * kBlockM + step, 16, 8 * kRowBytes),
+                          SmemDescSw128(k_base + col * kBlockN + step, 16, 8 * kRowBytes), kk > 0);
+    }
+    WgmmaCommit();
+  };
   // Accumulator fragments: element 4n + e is row gid + 8 (e / 2), column 8n + 2 tig + e % 2
   // of the warp's 16 rows (the m16n8 C layout, n-tile after n-tile).
   float o[HEAD_DIM / 2];
 #pragma unroll
   for (int i = 0; i < HEAD_DIM / 2; ++i) o[i] = 0.0f;
   float m[2] = {kMaxSentinel, kMaxSentinel}, l[2] = {0.0f, 0.0f};
+  float s[kBlockN / 2];
+  float s_next[PIPELINE ? kBlockN / 2 : 1];
 
-  for (int j = 0; j < nblocks; ++j) {
-    CpAsyncWait<0>();  // block j (and, at j = 0, Q): the only group in flight
+  // Block b sits in stage b % kStages. The copies run kStages - 1 blocks ahead of the block
+  // whose S an iteration issues: block j (plain) or j + 1 (PIPELINE, S_j came before the loop).
+  load_kv(0, 0);
+  CpAsyncCommit();  // with Q
+  if constexpr (PIPELINE) {
+    if (nblocks > 1) load_kv(1, 1);
+    CpAsyncCommit();
+    CpAsyncWait<1>();
     FenceProxyAsyncShared();
-    __syncthreads();  // every thread's copies landed; both warpgroups are done with block j - 1
-    const int n0 = kv_lo + j * kBlockN;
-    // A warpgroup whose rows all lie before this block (causal) or past its window skips it.
-    const bool wg_live = wg_row0 < live_end && n0 <= wg_p_hi &&
-                         (p.window <= 0 || n0 + kBlockN - 1 > wg_p_lo - p.window);
-    const uint32_t k_base = sk(j & 1), v_base = k_base + Sh::kTileBytes;
-    auto load_next = [&]() {
-      if (j + 1 < nblocks) {
-        load_kv(j + 1, (j + 1) & 1);
-        CpAsyncCommit();
-      }
-    };
-    if (!wg_live) {
-      load_next();
-      continue;
-    }
-    float s[kBlockN / 2];
-#pragma unroll
-    for (int i = 0; i < kBlockN / 2; ++i) s[i] = 0.0f;
-    WgmmaFence();
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-      // k-step kk: column block kk / 4, 32 bytes per step inside it (the hardware swizzles).
-      const uint32_t col = (kk / 4) * kRowBytes, step = (kk % 4) * 32;
-      WgmmaSS<T, kBlockN>(s, SmemDescSw128(q_wg + col * kBlockM + step, 16, 8 * kRowBytes),
-                          SmemDescSw128(k_base + col * kBlockN + step, 16, 8 * kRowBytes), kk > 0);
-    }
-    WgmmaCommit();
-    load_next();  // the next block's copies go out while the tensor cores compute S
+    __syncthreads();
+    issue_s(s_next, 0);
     WgmmaWait<0>();
-    WgmmaFenceOperands(s);
+    WgmmaFenceOperands(s_next);
+  }
+  for (int j = 0; j < nblocks; ++j) {
+    if constexpr (PIPELINE) {
+#pragma unroll
+      for (int i = 0; i < kBlockN / 2; ++i) s[i] = s_next[i];  // S_j, waited last iteration
+    }
+    CpAsyncWait<0>();  // this iteration's block landed: the only group in flight
+    FenceProxyAsyncShared();
+    // Every thread's copies landed, and every warpgroup is done with block j - 1, whose stage
+    // the copies below overwrite.
+    __syncthreads();
+    if constexpr (PIPELINE) {
+      // The last iteration recomputes its own block's S (its stage is intact) and drops it: a
+      // wgmma under a branch the compiler cannot prove uniform gets them all serialized.
+      issue_s(s_next, min(j + 1, nblocks - 1));
+    } else {
+      issue_s(s, j);
+    }
+    // The copies of block j + kStages - 1 go out while the tensor cores compute S.
+    if (j + kStages - 1 < nblocks) {
+      load_kv(j + kStages - 1, (j + kStages - 1) % kStages);
+      CpAsyncCommit();
+    }
+    if constexpr (!PIPELINE) {
+      WgmmaWait<0>();
+      WgmmaFenceOperands(s);
+    }
+    const int n0 = kv_lo + j * kBlockN;
+    const uint32_t v_base = sk(j % kStages) + Sh::kTileBytes;
 
     // Mask only the blocks that cross this warpgroup's diagonal, window edge or last key.
     const bool need_mask = n0 + kBlockN - 1 > wg_p_lo || (p.window > 0 && n0 <= wg_p_hi - p.window);
@@ -212,8 +250,12 @@ __global__ void __launch_bounds__(kThreads, 1) GqaPrefillWgmmaKernel(const GqaPa
           SmemDescSw128(v_base + kk * 16 * kRowBytes, kBlockN * kRowBytes, 8 * kRowBytes), 1);
     }
     WgmmaCommit();
+    // Nothing stays in flight across the loop's back edge: its trip count comes from
+    // lengths[b], which ptxas cannot prove uniform, and an in-flight wgmma across a branch it
+    // cannot prove uniform gets every wgmma serialized.
     WgmmaWait<0>();
     WgmmaFenceOperands(o);
+    if constexpr (PIPELINE) WgmmaFenceOperands(s_next);
   }
 
   prefill::StoreWarpRows<T, HEAD_DIM>(p, cta, wg_row0 + warp * 16, o, l);
@@ -225,22 +267,41 @@ __global__ void __launch_bounds__(kThreads, 1) GqaPrefillWgmmaKernel(const GqaPa
 
 }  // namespace
 
-template <typename T, int HEAD_DIM>
-cudaError_t LaunchGqaPrefillWgmma(const GqaParams<T>& p, cudaStream_t stream) {
-  using Sh = WgmmaShape<HEAD_DIM>;
+template <typename T, int HEAD_DIM, int WGS, int BLOCK_N, bool PIPELINE>
+cudaError_t LaunchGqaPrefillWgmmaConfig(const GqaParams<T>& p, cudaStream_t stream) {
+  using Sh = WgmmaShape<HEAD_DIM, WGS, BLOCK_N, PIPELINE>;
+  constexpr auto kernel = GqaPrefillWgmmaKernel<T, HEAD_DIM, WGS, BLOCK_N, PIPELINE>;
   static std::atomic<uint64_t> configured{0};
   const cudaError_t allowed =
-      AllowDynamicSmem(reinterpret_cast<const void*>(GqaPrefillWgmmaKernel<T, HEAD_DIM>),
-                       Sh::kSmemBytes, configured);
+      AllowDynamicSmem(reinterpret_cast<const void*>(kernel), Sh::kSmemBytes, configured);
   if (allowed != cudaSuccess) return allowed;
-  const dim3 grid(std::max(1, (p.num_tokens + kBlockM - 1) / kBlockM), p.num_q_heads, p.batch);
-  GqaPrefillWgmmaKernel<T, HEAD_DIM><<<grid, kThreads, Sh::kSmemBytes, stream>>>(p);
+  const dim3 grid(std::max(1, (p.num_tokens + Sh::kBlockM - 1) / Sh::kBlockM), p.num_q_heads,
+                  p.batch);
+  kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
+}
+
+template <typename T, int HEAD_DIM>
+cudaError_t LaunchGqaPrefillWgmma(const GqaParams<T>& p, cudaStream_t stream) {
+  return LaunchGqaPrefillWgmmaConfig<T, HEAD_DIM, kDefaultWarpgroups, kDefaultBlockN,
+                                     kDefaultPipeline>(p, stream);
 }
 
 template cudaError_t LaunchGqaPrefillWgmma<bf16_t, 64>(const GqaParams<bf16_t>&, cudaStream_t);
 template cudaError_t LaunchGqaPrefillWgmma<bf16_t, 128>(const GqaParams<bf16_t>&, cudaStream_t);
 template cudaError_t LaunchGqaPrefillWgmma<f16_t, 64>(const GqaParams<f16_t>&, cudaStream_t);
 template cudaError_t LaunchGqaPrefillWgmma<f16_t, 128>(const GqaParams<f16_t>&, cudaStream_t);
+
+#ifdef JKV_PREFILL_ALL_CONFIGS
+// The configurations bench/prefill_profile.cu times beside the default (bf16, D=128).
+#define JKV_PREFILL_CONFIG(WGS, BN, PIPE)                                       \
+  template cudaError_t LaunchGqaPrefillWgmmaConfig<bf16_t, 128, WGS, BN, PIPE>( \
+      const GqaParams<bf16_t>&, cudaStream_t);
+JKV_PREFILL_CONFIG(2, 64, true)
+JKV_PREFILL_CONFIG(2, 64, false)
+JKV_PREFILL_CONFIG(1, 64, false)
+JKV_PREFILL_CONFIG(1, 128, false)
+#undef JKV_PREFILL_CONFIG
+#endif
 
 }  // namespace jax_kv
