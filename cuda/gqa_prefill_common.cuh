@@ -87,6 +87,31 @@ __device__ __forceinline__ bool BeginPrefillCta(const GqaParams<T>& p, int block
   return rows.x < rows.y;
 }
 
+// Stores this thread's two rows of its warp's 16 output rows (row0 + gid and row0 + gid + 8)
+// from flat m16n8 accumulators (element 4d + e: row gid + 8 (e / 2), column 8d + 2 tig + e % 2),
+// divided by the row sums, each reduced over the quad first. Rows at or past live_end stay
+// as the prologue left them.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void StoreWarpRows(const GqaParams<T>& p, const PrefillCta& c, int row0,
+                                              const float (&o)[HEAD_DIM / 2], float (&l)[2]) {
+  const int gid = (threadIdx.x % 32) / 4, tig = threadIdx.x % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    const int t = row0 + gid + 8 * r;
+    if (t < c.live_end) {
+      const float inv = 1.0f / l[r];
+      T* out = p.out + ((c.q_row0 + t) * p.num_q_heads + c.qh) * HEAD_DIM;
+#pragma unroll
+      for (int d = 0; d < HEAD_DIM / 8; ++d) {
+        *reinterpret_cast<uint32_t*>(out + d * 8 + tig * 2) =
+            Pack2<T>(o[4 * d + 2 * r] * inv, o[4 * d + 2 * r + 1] * inv);
+      }
+    }
+  }
+}
+
 }  // namespace prefill
 
 // The wgmma kernel (bf16/f16, HEAD_DIM 64 or 128; sm_90a SASS, so compute capability 9.0 only)
