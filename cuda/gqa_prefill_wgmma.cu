@@ -97,22 +97,31 @@ __global__ void __launch_bounds__(WgmmaShape<HEAD_DIM, WGS, BLOCK_N, PIPELINE>::
   const int64_t new_stride = static_cast<int64_t>(p.num_kv_heads) * HEAD_DIM;
   const int64_t new_off0 = (q_row0 - L) * new_stride + hkv * HEAD_DIM + c * 8;  // + pos * stride
   const uint32_t dst0 = SwizzledChunk(kBlockN, r0, c);
+  // Both candidate offsets (cache, new tokens) advance by a constant per pass, so a copy costs
+  // two selects and an add instead of a 64-bit multiply under branches (SASS: ~30 -> ~14
+  // instructions a pass).
+  const int64_t cache_step = kRowsPerPass * p.cache.s, new_step = kRowsPerPass * new_stride;
   auto load_kv = [&](int j, int stage) {
     const uint32_t k_base = sk(stage) + dst0, v_base = k_base + Sh::kTileBytes;
+    const int pos0 = kv_lo + j * kBlockN + r0;
+    int64_t cache_off = cache_off0 + pos0 * p.cache.s, new_off = new_off0 + pos0 * new_stride;
 #pragma unroll
     for (int pass = 0; pass < kBlockN / kRowsPerPass; ++pass) {
-      const int pos = kv_lo + j * kBlockN + r0 + pass * kRowsPerPass;
+      const int pos = pos0 + pass * kRowsPerPass;
       const bool pred = pos <= kv_hi, cached = pos < L;  // keys at >= L come from k/v
-      const int64_t off =
-          pred ? (cached ? cache_off0 + pos * p.cache.s : new_off0 + pos * new_stride) : 0;
+      // A copy with pred false reads nothing; its address stays inside the array anyway.
+      const int64_t off = pred ? (cached ? cache_off : new_off) : 0;
       const uint32_t dst = pass * kRowsPerPass * kRowBytes;
       CpAsync16(k_base + dst, (cached ? p.k_cache : p.k_new) + off, pred);
       CpAsync16(v_base + dst, (cached ? p.v_cache : p.v_new) + off, pred);
+      cache_off += cache_step;
+      new_off += new_step;
     }
   };
   const bool use_softcap = p.softcap > 0.0f;
   const float qk_mul = use_softcap ? p.scale / p.softcap : p.scale * kLog2e;
   const float cap_log2 = p.softcap * kLog2e;
+  const bool prescale = use_softcap || !(qk_mul > 0.0f);
   const int wg_row0 = m0 + wg * 64;  // this warpgroup's first query row
   const int wg_p_lo = L + wg_row0, wg_p_hi = L + min(wg_row0 + 63, live_end - 1);
   const int row_pos[2] = {wg_p_lo + warp * 16 + gid, wg_p_lo + warp * 16 + gid + 8};
@@ -187,26 +196,36 @@ __global__ void __launch_bounds__(WgmmaShape<HEAD_DIM, WGS, BLOCK_N, PIPELINE>::
     const int n0 = kv_lo + j * kBlockN;
     const uint32_t v_base = sk(j % kStages) + Sh::kTileBytes;
 
+    // Scores stay raw (q.k) on the common path and the scale rides in the exponent's FFMA;
+    // softcap (or a scale that is not positive, which would flip the max) pre-scales them
+    // instead. Softcap and masking each run as one loop under one uniform branch: written per
+    // score, the two `if`s compiled to two branches and a convergence barrier per score, ~256
+    // issue slots a block on the common path (SASS).
+    float mul = qk_mul;  // raw score -> log2 units inside the exponent
+    if (prescale) {
+#pragma unroll
+      for (int i = 0; i < kBlockN / 2; ++i) {
+        const float x = s[i] * qk_mul;
+        s[i] = use_softcap ? cap_log2 * TanhBranchless(x) : x;
+      }
+      mul = 1.0f;
+    }
     // Mask only the blocks that cross this warpgroup's diagonal, window edge or last key.
-    const bool need_mask = n0 + kBlockN - 1 > wg_p_lo || (p.window > 0 && n0 <= wg_p_hi - p.window);
+    if (n0 + kBlockN - 1 > wg_p_lo || (p.window > 0 && n0 <= wg_p_hi - p.window)) {
 #pragma unroll
-    for (int n = 0; n < kBlockN / 8; ++n) {
+      for (int n = 0; n < kBlockN / 8; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[4 * n + e] * qk_mul;
-        if (use_softcap) x = cap_log2 * TanhBranchless(x);
-        if (need_mask) {
+        for (int e = 0; e < 4; ++e) {
           const int key = n0 + n * 8 + tig * 2 + (e & 1), rp = row_pos[e / 2];
-          if (key > rp || (p.window > 0 && key <= rp - p.window)) x = -INFINITY;
+          if (key > rp || (p.window > 0 && key <= rp - p.window)) s[4 * n + e] = -INFINITY;
         }
-        s[4 * n + e] = x;
       }
     }
     // Four independent chains per row for the max and the sum: with two warps per scheduler a
     // 32-long dependent chain of FMNMX / FADD would stall on latency.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float mx4[4] = {m[r], m[r], m[r], m[r]};
+      float mx4[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
       for (int n = 0; n < kBlockN / 8; ++n) {
         mx4[2 * (n % 2)] = fmaxf(mx4[2 * (n % 2)], s[4 * n + 2 * r]);
@@ -215,6 +234,7 @@ __global__ void __launch_bounds__(WgmmaShape<HEAD_DIM, WGS, BLOCK_N, PIPELINE>::
       float mx = fmaxf(fmaxf(mx4[0], mx4[1]), fmaxf(mx4[2], mx4[3]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      mx = fmaxf(m[r], mx * mul);  // mul > 0: the max of the scaled scores
       const float corr = Exp2Fast(m[r] - mx);
       m[r] = mx;
 #pragma unroll
@@ -225,8 +245,8 @@ __global__ void __launch_bounds__(WgmmaShape<HEAD_DIM, WGS, BLOCK_N, PIPELINE>::
       float sum4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int n = 0; n < kBlockN / 8; ++n) {
-        s[4 * n + 2 * r] = Exp2Fast(s[4 * n + 2 * r] - mx);
-        s[4 * n + 2 * r + 1] = Exp2Fast(s[4 * n + 2 * r + 1] - mx);
+        s[4 * n + 2 * r] = Exp2Fast(fmaf(s[4 * n + 2 * r], mul, -mx));
+        s[4 * n + 2 * r + 1] = Exp2Fast(fmaf(s[4 * n + 2 * r + 1], mul, -mx));
         sum4[2 * (n % 2)] += s[4 * n + 2 * r];
         sum4[2 * (n % 2) + 1] += s[4 * n + 2 * r + 1];
       }
