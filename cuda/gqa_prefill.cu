@@ -85,9 +85,7 @@ __global__ void __launch_bounds__(kThreads) GqaPrefillMmaKernel(const GqaParams<
   load_kv(0, 0);
   CpAsyncCommit();
 
-  const bool use_softcap = p.softcap > 0.0f;
-  const float qk_mul = use_softcap ? p.scale / p.softcap : p.scale * kLog2e;
-  const float cap_log2 = p.softcap * kLog2e;
+  const prefill::ScoreScaling sc = prefill::MakeScoreScaling(p.scale, p.softcap);
   const int row_pos[2] = {L + m0 + warp * 16 + gid, L + m0 + warp * 16 + gid + 8};
   float o[Sh::kDTiles][4];
 #pragma unroll
@@ -124,42 +122,10 @@ __global__ void __launch_bounds__(kThreads) GqaPrefillMmaKernel(const GqaParams<
     }
     // Mask only the blocks that cross the diagonal, the window edge or the last key.
     const int n0 = kv_lo + j * BN;
-    const bool need_mask = n0 + BN - 1 > p_lo || (p.window > 0 && n0 < p_hi + 1 - p.window);
-#pragma unroll
-    for (int n = 0; n < Sh::kNTiles; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[n][e] * qk_mul;
-        if (use_softcap) x = cap_log2 * TanhBranchless(x);
-        if (need_mask) {
-          const int key = n0 + n * 8 + tig * 2 + (e & 1), rp = row_pos[e / 2];
-          if (key > rp || (p.window > 0 && key <= rp - p.window)) x = -INFINITY;
-        }
-        s[n][e] = x;
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = m[r];
-#pragma unroll
-      for (int n = 0; n < Sh::kNTiles; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float corr = exp2f(m[r] - mx);
-      m[r] = mx;
-      l[r] *= corr;
-#pragma unroll
-      for (int d = 0; d < Sh::kDTiles; ++d) {
-        o[d][2 * r] *= corr;
-        o[d][2 * r + 1] *= corr;
-      }
-#pragma unroll
-      for (int n = 0; n < Sh::kNTiles; ++n) {
-        s[n][2 * r] = exp2f(s[n][2 * r] - mx);
-        s[n][2 * r + 1] = exp2f(s[n][2 * r + 1] - mx);
-        l[r] += s[n][2 * r] + s[n][2 * r + 1];
-      }
-    }
+    prefill::SoftmaxBlock(reinterpret_cast<float (&)[BN / 2]>(s),
+                          reinterpret_cast<float (&)[HEAD_DIM / 2]>(o), m, l, sc,
+                          n0 + BN - 1 > p_lo || (p.window > 0 && n0 < p_hi + 1 - p.window),
+                          n0 + tig * 2, row_pos, p.window);
     // O += P V: the S accumulators of two adjacent n-tiles are exactly an A fragment.
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {

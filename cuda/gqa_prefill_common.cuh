@@ -87,6 +87,83 @@ __device__ __forceinline__ bool BeginPrefillCta(const GqaParams<T>& p, int block
   return rows.x < rows.y;
 }
 
+// How raw scores (q.k) become log2-domain logits: x * qk_mul, or cap_log2 * tanh(x * qk_mul)
+// under softcap (qk_mul then maps to units of the softcap).
+struct ScoreScaling {
+  float qk_mul, cap_log2;
+  bool use_softcap;
+  bool prescale;  // softcap, or a scale that is not positive (it would flip the max)
+};
+
+__device__ __forceinline__ ScoreScaling MakeScoreScaling(float scale, float softcap) {
+  ScoreScaling sc;
+  sc.use_softcap = softcap > 0.0f;
+  sc.qk_mul = sc.use_softcap ? scale / softcap : scale * kLog2e;
+  sc.cap_log2 = softcap * kLog2e;
+  sc.prescale = sc.use_softcap || !(sc.qk_mul > 0.0f);
+  return sc;
+}
+
+// One key block of online softmax over this thread's flat m16n8 fragments (score 4n + e: row
+// gid + 8 (e / 2), key key0 + 8n + e % 2 with key0 = the block's first key + 2 tig). On entry s
+// holds raw scores; on exit exp2(logit - running max), keys past a row's position (or before
+// its window) at 0. o is rescaled to the new max, m and l updated (l per thread: reduce it over
+// the quad at the end). Raw scores go into the exponent as FFMA(s, qk_mul, -max) on the common
+// path; softcap and masking each run as one loop under one uniform branch: written per score,
+// the two `if`s compiled to two branches and a convergence barrier per score (SASS).
+template <int N_SCORES, int N_OUT>
+__device__ __forceinline__ void SoftmaxBlock(float (&s)[N_SCORES], float (&o)[N_OUT], float (&m)[2],
+                                             float (&l)[2], const ScoreScaling& sc, bool need_mask,
+                                             int key0, const int (&row_pos)[2], int window) {
+  float mul = sc.qk_mul;  // raw score -> log2 units inside the exponent
+  if (sc.prescale) {
+#pragma unroll
+    for (int i = 0; i < N_SCORES; ++i) {
+      const float x = s[i] * sc.qk_mul;
+      s[i] = sc.use_softcap ? sc.cap_log2 * TanhBranchless(x) : x;
+    }
+    mul = 1.0f;
+  }
+  if (need_mask) {
+#pragma unroll
+    for (int i = 0; i < N_SCORES; ++i) {
+      const int key = key0 + (i / 4) * 8 + (i & 1), rp = row_pos[(i / 2) & 1];
+      if (key > rp || (window > 0 && key <= rp - window)) s[i] = -INFINITY;
+    }
+  }
+  // Four independent chains per row for the max and the sum: with few warps per scheduler a
+  // long dependent chain of FMNMX / FADD stalls on latency.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx4[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < N_SCORES / 4; ++n) {
+      mx4[2 * (n % 2)] = fmaxf(mx4[2 * (n % 2)], s[4 * n + 2 * r]);
+      mx4[2 * (n % 2) + 1] = fmaxf(mx4[2 * (n % 2) + 1], s[4 * n + 2 * r + 1]);
+    }
+    float mx = fmaxf(fmaxf(mx4[0], mx4[1]), fmaxf(mx4[2], mx4[3]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    mx = fmaxf(m[r], mx * mul);  // mul > 0: the max of the scaled scores
+    const float corr = Exp2Fast(m[r] - mx);
+    m[r] = mx;
+#pragma unroll
+    for (int d = 0; d < N_OUT / 4; ++d) {
+      o[4 * d + 2 * r] *= corr;
+      o[4 * d + 2 * r + 1] *= corr;
+    }
+    float sum4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int n = 0; n < N_SCORES / 4; ++n) {
+      s[4 * n + 2 * r] = Exp2Fast(fmaf(s[4 * n + 2 * r], mul, -mx));
+      s[4 * n + 2 * r + 1] = Exp2Fast(fmaf(s[4 * n + 2 * r + 1], mul, -mx));
+      sum4[2 * (n % 2)] += s[4 * n + 2 * r];
+      sum4[2 * (n % 2) + 1] += s[4 * n + 2 * r + 1];
+    }
+    l[r] = l[r] * corr + ((sum4[0] + sum4[1]) + (sum4[2] + sum4[3]));
+  }
+}
+
 // Stores this thread's two rows of its warp's 16 output rows (row0 + gid and row0 + gid + 8)
 // from flat m16n8 accumulators (element 4d + e: row gid + 8 (e / 2), column 8d + 2 tig + e % 2),
 // divided by the row sums, each reduced over the quad first. Rows at or past live_end stay

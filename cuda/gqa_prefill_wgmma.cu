@@ -118,10 +118,7 @@ __global__ void __launch_bounds__(WgmmaShape<HEAD_DIM, WGS, BLOCK_N, PIPELINE>::
       new_off += new_step;
     }
   };
-  const bool use_softcap = p.softcap > 0.0f;
-  const float qk_mul = use_softcap ? p.scale / p.softcap : p.scale * kLog2e;
-  const float cap_log2 = p.softcap * kLog2e;
-  const bool prescale = use_softcap || !(qk_mul > 0.0f);
+  const prefill::ScoreScaling sc = prefill::MakeScoreScaling(p.scale, p.softcap);
   const int wg_row0 = m0 + wg * 64;  // this warpgroup's first query row
   const int wg_p_lo = L + wg_row0, wg_p_hi = L + min(wg_row0 + 63, live_end - 1);
   const int row_pos[2] = {wg_p_lo + warp * 16 + gid, wg_p_lo + warp * 16 + gid + 8};
@@ -196,62 +193,10 @@ __global__ void __launch_bounds__(WgmmaShape<HEAD_DIM, WGS, BLOCK_N, PIPELINE>::
     const int n0 = kv_lo + j * kBlockN;
     const uint32_t v_base = sk(j % kStages) + Sh::kTileBytes;
 
-    // Scores stay raw (q.k) on the common path and the scale rides in the exponent's FFMA;
-    // softcap (or a scale that is not positive, which would flip the max) pre-scales them
-    // instead. Softcap and masking each run as one loop under one uniform branch: written per
-    // score, the two `if`s compiled to two branches and a convergence barrier per score, ~256
-    // issue slots a block on the common path (SASS).
-    float mul = qk_mul;  // raw score -> log2 units inside the exponent
-    if (prescale) {
-#pragma unroll
-      for (int i = 0; i < kBlockN / 2; ++i) {
-        const float x = s[i] * qk_mul;
-        s[i] = use_softcap ? cap_log2 * TanhBranchless(x) : x;
-      }
-      mul = 1.0f;
-    }
     // Mask only the blocks that cross this warpgroup's diagonal, window edge or last key.
-    if (n0 + kBlockN - 1 > wg_p_lo || (p.window > 0 && n0 <= wg_p_hi - p.window)) {
-#pragma unroll
-      for (int n = 0; n < kBlockN / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = n0 + n * 8 + tig * 2 + (e & 1), rp = row_pos[e / 2];
-          if (key > rp || (p.window > 0 && key <= rp - p.window)) s[4 * n + e] = -INFINITY;
-        }
-      }
-    }
-    // Four independent chains per row for the max and the sum: with two warps per scheduler a
-    // 32-long dependent chain of FMNMX / FADD would stall on latency.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx4[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-#pragma unroll
-      for (int n = 0; n < kBlockN / 8; ++n) {
-        mx4[2 * (n % 2)] = fmaxf(mx4[2 * (n % 2)], s[4 * n + 2 * r]);
-        mx4[2 * (n % 2) + 1] = fmaxf(mx4[2 * (n % 2) + 1], s[4 * n + 2 * r + 1]);
-      }
-      float mx = fmaxf(fmaxf(mx4[0], mx4[1]), fmaxf(mx4[2], mx4[3]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      mx = fmaxf(m[r], mx * mul);  // mul > 0: the max of the scaled scores
-      const float corr = Exp2Fast(m[r] - mx);
-      m[r] = mx;
-#pragma unroll
-      for (int d = 0; d < HEAD_DIM / 8; ++d) {
-        o[4 * d + 2 * r] *= corr;
-        o[4 * d + 2 * r + 1] *= corr;
-      }
-      float sum4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-      for (int n = 0; n < kBlockN / 8; ++n) {
-        s[4 * n + 2 * r] = Exp2Fast(fmaf(s[4 * n + 2 * r], mul, -mx));
-        s[4 * n + 2 * r + 1] = Exp2Fast(fmaf(s[4 * n + 2 * r + 1], mul, -mx));
-        sum4[2 * (n % 2)] += s[4 * n + 2 * r];
-        sum4[2 * (n % 2) + 1] += s[4 * n + 2 * r + 1];
-      }
-      l[r] = l[r] * corr + ((sum4[0] + sum4[1]) + (sum4[2] + sum4[3]));
-    }
+    prefill::SoftmaxBlock(s, o, m, l, sc,
+                          n0 + kBlockN - 1 > wg_p_lo || (p.window > 0 && n0 <= wg_p_hi - p.window),
+                          n0 + tig * 2, row_pos, p.window);
     // O += P V: the accumulators of n-tiles 2kk and 2kk + 1 are exactly the A fragment of
     // k-step kk; V's rows 16kk.. start 16 * 128 bytes further on (two 8-row groups).
     uint32_t pa[kBlockN / 16][4];
