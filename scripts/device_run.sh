@@ -2,7 +2,7 @@
 # One device call: build the CUDA module, run the GPU tests, run the benchmarks. Logs go to
 # $OUT (or ./device-out). Each stage has its own time limit so the whole fits one call.
 #   bash scripts/device_run.sh [stages...]   stages: build ops ops-off gen cache attn generate profile san matvec
-#     matvec-shapes
+#     matvec-shapes prefill-profile
 # GEN_MODELS, GEN_BATCH, GEN_TOKENS, GEN_IMPLS, GEN_TIMEOUT set bench/generate.py's run.
 # ATTN_ARGS passes options to bench/attention.py (e.g. "--decode-kernel both"), ATTN_TIMEOUT
 # its time limit in seconds (200); PROF_ARGS / PROF_TIMEOUT the same for bench/step_profile.py;
@@ -70,6 +70,17 @@ for s in $STAGES; do
       timeout -k 10 ${MVS_TIMEOUT:-150} python3 bench/matvec_shapes.py --time --out "$OUT" \
         --model ${MVS_MODELS:-qwen2.5-0.5b,qwen2.5-1.5b,llama-3-8b} 2>&1 \
         | tee "$OUT/matvec_shapes.log" | tail -16 ;;
+    prefill-profile)
+      # No package build needed: bench/prefill_profile.cu links the prefill kernels alone.
+      stage "bench/prefill_profile.cu (+ ncu on the default wgmma kernel)"
+      nvcc -O3 -std=c++17 -I. -arch=sm_90a -lineinfo -DJKV_PREFILL_ALL_CONFIGS -o /tmp/prefill_profile \
+        bench/prefill_profile.cu cuda/gqa_prefill.cu cuda/gqa_prefill_wgmma.cu cuda/device_info.cu 2>&1 | tail -3
+      for T in 4096 16384; do timeout -k 5 60 /tmp/prefill_profile $T 0; done 2>&1 | tee "$OUT/prefill_profile.log"
+      timeout -k 5 120 ncu --set full --import-source yes -k regex:GqaPrefillWgmma -c 1 -o /tmp/prefill_prof \
+        /tmp/prefill_profile 16384 0 1 > "$OUT/ncu_prefill_run.log" 2>&1
+      ncu --import /tmp/prefill_prof.ncu-rep --page details > "$OUT/ncu_prefill_details.txt" 2>&1
+      grep -E "Duration|SM Frequency|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Tensor" \
+        "$OUT/ncu_prefill_details.txt" | head -20 ;;
     matvec)
       stage "matvec tests under compute-sanitizer memcheck"
       XLA_FLAGS=--xla_gpu_graph_min_graph_size=1 timeout -k 10 150 compute-sanitizer --tool memcheck \
