@@ -104,6 +104,25 @@ __global__ void __launch_bounds__(WgmmaShape<HEAD_DIM, WGS, BLOCK_N, PIPELINE>::
   auto load_kv = [&](int j, int stage) {
     const uint32_t k_base = sk(stage) + dst0, v_base = k_base + Sh::kTileBytes;
     const int pos0 = kv_lo + j * kBlockN + r0;
+    const int blk_lo = kv_lo + j * kBlockN, blk_hi = blk_lo + kBlockN - 1;
+    // Most blocks lie wholly in the cache or wholly in k/v, and at or before the last key:
+    // one source and no per-copy selects or predicates.
+    if (blk_hi <= kv_hi && (blk_hi < L || blk_lo >= L)) {
+      const bool cached = blk_hi < L;
+      const int64_t step = cached ? cache_step : new_step;
+      const int64_t off = cached ? cache_off0 + pos0 * p.cache.s : new_off0 + pos0 * new_stride;
+      const T* ks = (cached ? p.k_cache : p.k_new) + off;
+      const T* vs = (cached ? p.v_cache : p.v_new) + off;
+#pragma unroll
+      for (int pass = 0; pass < kBlockN / kRowsPerPass; ++pass) {
+        const uint32_t dst = pass * kRowsPerPass * kRowBytes;
+        CpAsync16(k_base + dst, ks, true);
+        CpAsync16(v_base + dst, vs, true);
+        ks += step;
+        vs += step;
+      }
+      return;
+    }
     int64_t cache_off = cache_off0 + pos0 * p.cache.s, new_off = new_off0 + pos0 * new_stride;
 #pragma unroll
     for (int pass = 0; pass < kBlockN / kRowsPerPass; ++pass) {
