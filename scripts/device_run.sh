@@ -75,7 +75,8 @@ for s in $STAGES; do
       stage "bench/prefill_profile.cu (+ ncu on the default wgmma kernel)"
       nvcc -O3 -std=c++17 -I. -arch=sm_90a -lineinfo -DJKV_PREFILL_ALL_CONFIGS -o /tmp/prefill_profile \
         bench/prefill_profile.cu cuda/gqa_prefill.cu cuda/gqa_prefill_wgmma.cu cuda/device_info.cu 2>&1 | tail -3
-      for T in 4096 16384; do timeout -k 5 60 /tmp/prefill_profile $T 0; done 2>&1 | tee "$OUT/prefill_profile.log"
+      for args in "1024 0" "4096 0" "16384 0" "512 8192"; do timeout -k 5 60 /tmp/prefill_profile $args; done 2>&1 \
+        | tee "$OUT/prefill_profile.log"
       timeout -k 5 120 ncu --set full --import-source yes -k regex:GqaPrefillWgmma -c 1 -o /tmp/prefill_prof \
         /tmp/prefill_profile 16384 0 1 > "$OUT/ncu_prefill_run.log" 2>&1
       ncu --import /tmp/prefill_prof.ncu-rep --page details > "$OUT/ncu_prefill_details.txt" 2>&1
