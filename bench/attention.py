@@ -44,6 +44,17 @@ DECODE_ROWS = [  # (B, S, live)
 ]
 PREFILL_ROWS = [(1024, 0), (4096, 0), (16384, 0), (512, 8192)]  # (T, past), B = 1
 REPEATS = 5
+# One timed call holds about this much kernel time: the call's own cost (dispatch, launch,
+# the host's wait for the result: `call_overhead_s` in the JSON) then adds < 5% to a step.
+# Before this, prefill rows at T >= 4096 ran 2 iterations a call and carried half of it each.
+CALL_SECONDS = 0.02
+
+
+def iterations(estimate_s: float, lo: int, hi: int) -> int:
+    """Iterations per timed call: the power of two nearest CALL_SECONDS / estimate_s, clamped to
+    [lo, hi] (powers of two, so a multiple of the decode loop's unroll of 8)."""
+    n = 2 ** round(math.log2(max(CALL_SECONDS / estimate_s, 1.0)))
+    return max(lo, min(hi, n))
 
 
 def in_layout(x_bshd: jax.Array, layout: Layout) -> jax.Array:
@@ -72,6 +83,12 @@ def time_loop(step: Callable, carry, consts, iters: int, unroll: int) -> tuple[f
         times.append(time.perf_counter() - t0)
     del carry
     return statistics.median(times) / iters, compile_s
+
+
+def call_overhead() -> float:
+    """Median wall seconds of one call of a jitted one-iteration loop over a tiny carry: what
+    every timed call pays besides its kernels, divided by its iterations in each figure."""
+    return time_loop(lambda c, x: c + x, jnp.zeros((8,), jnp.float32), jnp.float32(1), 1, 1)[0]
 
 
 def guarded(fn: Callable) -> tuple[float | None, str | None]:
@@ -128,7 +145,7 @@ def bench_decode(B, S, live, iters, kernels=("1",)):
     k_new, v_new = rand(keys[1], (B, HKV, D)), rand(keys[2], (B, HKV, D))
     lengths = jnp.full((B,), live - 1, jnp.int32)  # the new token makes `live` attended
     kv_seq = jnp.full((B,), live, jnp.int32)
-    row = {"B": B, "S": S, "live": live}
+    row = {"B": B, "S": S, "live": live, "iters": iters}
     bytes_live = B * live * HKV * D * 2 * 2
     k_bshd, v_bshd = rand(keys[3], (B, S, HKV, D)), rand(keys[4], (B, S, HKV, D))
 
@@ -215,7 +232,7 @@ def bench_prefill(T, past, iters, kernels=("auto",)):
     lengths = jnp.asarray([past], jnp.int32)
     pairs = T * past + T * (T + 1) // 2
     flops = 4 * HQ * D * pairs  # QK^T and PV, causal pairs only
-    row = {"T": T, "past": past, "flops": flops}
+    row = {"T": T, "past": past, "flops": flops, "iters": iters}
     k_bshd, v_bshd = rand(keys[3], (1, S, HKV, D)), rand(keys[4], (1, S, HKV, D))
     k_bshd = k_bshd.at[:, past:].set(k_new)
     v_bshd = v_bshd.at[:, past:].set(v_new)
@@ -366,7 +383,12 @@ def git_commit() -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder for attention.json and attention.png")
-    ap.add_argument("--decode-iters", type=int, default=256)
+    ap.add_argument(
+        "--decode-iters",
+        type=int,
+        default=None,
+        help="iterations per timed call (default: ~CALL_SECONDS of kernel time per call)",
+    )
     ap.add_argument("--quick", action="store_true", help="first decode/prefill rows only")
     ap.add_argument(
         "--decode-kernel",
@@ -413,9 +435,11 @@ def main():
         "D": D,
         "repeats": REPEATS,
         "decode_iters": args.decode_iters,
+        "call_seconds_target": CALL_SECONDS,
+        "call_overhead_s": call_overhead(),
         "decode_kernels": list(kernels),
         "prefill_kernels": list(prefill_kernels),
-        "timing": "median wall time of one jitted lax.fori_loop call / iterations",
+        "timing": "median wall time of one jitted lax.fori_loop call / iterations (row 'iters')",
     }
     decode, prefill = [], []
 
@@ -424,7 +448,9 @@ def main():
             json.dump({"meta": meta, "decode": decode, "prefill": prefill}, f, indent=1)
 
     for B, S, live in decode_rows:
-        decode.append(bench_decode(B, S, live, args.decode_iters, kernels))
+        # Estimated at 4 TB/s of live K/V.
+        iters = args.decode_iters or iterations(B * live * HKV * D * 4 / 4e12, 256, 8192)
+        decode.append(bench_decode(B, S, live, iters, kernels))
         save()
         r = decode[-1]
         ours = ", ".join(
@@ -437,7 +463,8 @@ def main():
         )
     print_decode(decode, kernels)
     for T, past in prefill_rows:
-        iters = max(2, min(64, 2**25 // (T * T + T * past)))
+        # Estimated at 400 TFLOP/s.
+        iters = iterations(4 * HQ * D * (T * past + T * (T + 1) // 2) / 400e12, 2, 256)
         prefill.append(bench_prefill(T, past, iters, prefill_kernels))
         save()
         r = prefill[-1]
