@@ -53,6 +53,7 @@ def run_generator(
         tok_s=s.decode_tokens_per_s,
         host_overhead_us=s.host_overhead_us,
         dispatch_us=s.dispatch_us,
+        host_overhead_us_per_step=s.host_overhead_us_per_step,
         captures=s.captures,
         replays=s.replays,
         invalidations=s.invalidations,
@@ -304,14 +305,21 @@ def main() -> None:
         f"{args.prompt}, {args.new_tokens} new tokens, greedy, one sync per token; plain-jax "
         f"cache at {args.static_len} slots"
     )
-    head = f"| model | B | {' | '.join(impls)} | seq-major host us/call | captures seq/head |"
+    ours = [i for i in impls if i.startswith("jax_kv-")]
+    head = (
+        f"| model | B | {' | '.join(impls)} | seq-major host us/call | host us/step "
+        f"({', '.join(ours)}) | captures seq/head |"
+    )
     print(head + "\n|" + "---|" * (head.count("|") - 1))
     for r in rows:
         cells = [f"{r[i]['tok_s']:,.0f}" if "tok_s" in r.get(i, {}) else "error" for i in impls]
         seq, hm = r.get("jax_kv-seq", {}), r.get("jax_kv-head", {})
+        per_step = " / ".join(
+            f"{r.get(i, {}).get('host_overhead_us_per_step', float('nan')):.0f}" for i in ours
+        )
         print(
             f"| {r['model']} | {r['batch']} | {' | '.join(cells)} | "
-            f"{seq.get('host_overhead_us', float('nan')):.0f} | {seq.get('captures')}/"
+            f"{seq.get('host_overhead_us', float('nan')):.0f} | {per_step} | {seq.get('captures')}/"
             f"{hm.get('captures')} |"
         )
     print("\ncommitted KV bytes, seq-major VMM (B=1) vs a static cache of 32768 slots")

@@ -23,7 +23,8 @@ def _stats_table(stats: Any) -> str:
         (
             "host overhead / call",
             f"{s.host_overhead_us:,.0f} us (median), of which "
-            f"{s.dispatch_us:,.0f} us in the jitted call's dispatch",
+            f"{s.dispatch_us:,.0f} us in the jitted call's dispatch; "
+            f"{s.host_overhead_us_per_step:,.0f} us per decode step",
         ),
         (
             "compiled steps",

@@ -79,6 +79,8 @@ class GenerationStats:
     decode_calls: int = 0
     host_overhead_us: float = 0.0  # median per decode call: host time, waits on the device excluded
     dispatch_us: float = 0.0  # median per decode call: the jitted call alone (JAX + XLA launch)
+    # median per decode step (token) of the same host time: per call / steps in that call
+    host_overhead_us_per_step: float = 0.0
     compile_seconds: float = 0.0
 
     @property
@@ -397,12 +399,13 @@ class Generator:
                 waited += time.perf_counter() - t0
             if not compiled:
                 total = time.perf_counter() - t_iter - waited
-                overheads.append((total, t_called - t_call))
+                overheads.append((total, t_called - t_call, total / n))
         drain()
         stats.decode_seconds = time.perf_counter() - t_decode - (stats.compile_seconds - compile0)
         if overheads:
-            total, dispatch = np.median(np.asarray(overheads), axis=0) * 1e6
+            total, dispatch, per_step = np.median(np.asarray(overheads), axis=0) * 1e6
             stats.host_overhead_us, stats.dispatch_us = float(total), float(dispatch)
+            stats.host_overhead_us_per_step = float(per_step)
         stats.host_calls_per_step = host_calls
         texts = None
         if getattr(self.model, "tokenizer", None) is not None:

@@ -24,6 +24,7 @@ def test_matches_the_reference_loop(model):
     assert s.growth_events >= 2 and s.captures == 1 + s.invalidations
     assert s.replays + s.captures == s.decode_calls == 23
     assert s.decode_tokens == 23 * len(PROMPTS)
+    assert s.host_overhead_us_per_step == s.host_overhead_us > 0
 
 
 @pytest.mark.parametrize("k", [3, 4])
@@ -46,6 +47,9 @@ def test_tokens_per_call(model, k):
     )
     assert s.captures == no_tail.stats.captures and s.decode_calls == -(-20 // k)
     assert s.decode_tokens == 20 * len(PROMPTS)
+    # Every call ran k steps: the host time per step is the time per call over k.
+    assert s.host_overhead_us > 0
+    assert s.host_overhead_us_per_step == pytest.approx(s.host_overhead_us / k)
     assert len(seen) == 21 and all(len(row) == 21 for row in many.tokens)
 
 
