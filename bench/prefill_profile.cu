@@ -97,7 +97,11 @@ int main(int argc, char** argv) {
       {"mma.sync",
        [](const P& q) { return LaunchGqaPrefill(q, nullptr, jax_kv::PrefillKernel::kMma); }},
       {"wgmma default (2 wg, 128 keys)", [](const P& q) { return LaunchGqaPrefill(q, nullptr); }},
-      {"wgmma 2 wg, 64 keys, S pipelined",
+      {"wgmma 2 wg, 128 keys, ping-pong",
+       [](const P& q) {
+         return jax_kv::LaunchGqaPrefillWgmmaConfig<bf16_t, kD, 2, 128, true>(q, nullptr);
+       }},
+      {"wgmma 2 wg, 64 keys, ping-pong",
        [](const P& q) {
          return jax_kv::LaunchGqaPrefillWgmmaConfig<bf16_t, kD, 2, 64, true>(q, nullptr);
        }},

@@ -195,7 +195,7 @@ __device__ __forceinline__ void StoreWarpRows(const GqaParams<T>& p, const Prefi
 // in its default configuration, and in any (cuda/gqa_prefill_wgmma.cu, WgmmaShape).
 template <typename T, int HEAD_DIM>
 cudaError_t LaunchGqaPrefillWgmma(const GqaParams<T>& p, cudaStream_t stream);
-template <typename T, int HEAD_DIM, int WGS, int BLOCK_N, bool PIPELINE>
+template <typename T, int HEAD_DIM, int WGS, int BLOCK_N, bool PINGPONG>
 cudaError_t LaunchGqaPrefillWgmmaConfig(const GqaParams<T>& p, cudaStream_t stream);
 
 }  // namespace jax_kv

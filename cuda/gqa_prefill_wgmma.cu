@@ -7,7 +7,8 @@
 // accumulators in registers (rounded to T, as FlashAttention does) and V through the
 // transposed-B mode, so neither K nor V passes through registers. All 256 threads stream
 // K/V blocks through a 2-stage cp.async ring, one block ahead, issuing the next block's copies
-// while the tensor cores compute S.
+// while the tensor cores compute S. The ping-pong shape (not the handler's default yet) lets the
+// two warpgroups run out of step instead, so one's softmax runs under the other's products.
 #include <algorithm>
 #include <atomic>
 
@@ -15,34 +16,42 @@
 #include "cuda/device_info.h"
 #include "cuda/gqa_prefill_common.cuh"
 #include "cuda/kernel_common.cuh"
+#include "cuda/mbarrier.cuh"
 #include "cuda/mma.cuh"
 #include "cuda/wgmma.cuh"
 
 namespace jax_kv {
 namespace {
 
-// One kernel configuration: WGS warpgroups of 64 query rows per CTA, BLOCK_N keys per block;
-// PIPELINE issues the next block's S = Q K^T before this block's softmax, so the tensor cores
-// work while the warpgroup computes exponentials (a 3-stage ring and a second S in registers),
-// where the plain loop issues S, waits for it, and leaves the tensor cores idle during softmax.
-template <int HEAD_DIM, int WGS, int BLOCK_N, bool PIPELINE>
+// One kernel configuration: WGS warpgroups of 64 query rows per CTA, BLOCK_N keys per block.
+// Lockstep (PINGPONG false): one CTA barrier per block, so both warpgroups compute S, then
+// softmax while the tensor cores idle, then P V. PINGPONG (FlashAttention-3's schedule, two
+// warpgroups): named barriers make the warpgroups take turns issuing S, which leaves them about
+// one product apart, so each one's softmax runs under the other's products; the K/V ring then
+// synchronizes per stage on mbarriers (full: all copies landed; empty: both warpgroups done)
+// instead of a CTA barrier, with 3 stages and copies two blocks ahead, so the warpgroup ahead
+// never waits for the one behind to free the stage it refills.
+template <int HEAD_DIM, int WGS, int BLOCK_N, bool PINGPONG>
 struct WgmmaShape {
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "swizzle atoms hold 64-element columns");
   static_assert(BLOCK_N == 64 || BLOCK_N == 128, "wgmma N of S: 64 or 128");
+  static_assert(!PINGPONG || WGS == 2, "ping-pong alternates two warpgroups");
   static constexpr int kBlockM = 64 * WGS;  // query rows per CTA
   static constexpr int kThreads = 128 * WGS;
-  static constexpr int kStages = PIPELINE ? 3 : 2;
+  static constexpr int kStages = PINGPONG ? 3 : 2;
   static constexpr int kQBytes = kBlockM * HEAD_DIM * 2;
   static constexpr int kTileBytes = BLOCK_N * HEAD_DIM * 2;  // one K or V block
-  // + 1 KB: the dynamic window is only 16-byte aligned, the swizzle atoms need 1024.
-  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kTileBytes + 1024;
+  static constexpr int kRingBytes = 2 * kStages * kTileBytes;
+  // + 1 KB: the dynamic window is only 16-byte aligned, the swizzle atoms need 1024; then the
+  // full and empty mbarriers of each stage.
+  static constexpr int kSmemBytes = kQBytes + kRingBytes + 1024 + (PINGPONG ? 16 * kStages : 0);
   // One warpgroup per CTA asks for two CTAs per SM: their phases interleave on their own.
   static constexpr int kMinCtasPerSm = WGS == 1 ? 2 : 1;
 };
 
 // The configuration the handler launches (measured: bench/NOTES.md, "Prefill on wgmma").
 constexpr int kDefaultWarpgroups = 2, kDefaultBlockN = 128;
-constexpr bool kDefaultPipeline = false;
+constexpr bool kDefaultPingPong = false;
 
 #if JKV_HAS_WGMMA
 constexpr int kRowBytes = 128;  // one swizzle-atom row: 64 b16 elements
@@ -56,12 +65,12 @@ __device__ __forceinline__ uint32_t SwizzledChunk(int rows, int r, int c) {
 }
 #endif
 
-template <typename T, int HEAD_DIM, int WGS, int BLOCK_N, bool PIPELINE>
-__global__ void __launch_bounds__(WgmmaShape<HEAD_DIM, WGS, BLOCK_N, PIPELINE>::kThreads,
-                                  WgmmaShape<HEAD_DIM, WGS, BLOCK_N, PIPELINE>::kMinCtasPerSm)
+template <typename T, int HEAD_DIM, int WGS, int BLOCK_N, bool PINGPONG>
+__global__ void __launch_bounds__(WgmmaShape<HEAD_DIM, WGS, BLOCK_N, PINGPONG>::kThreads,
+                                  WgmmaShape<HEAD_DIM, WGS, BLOCK_N, PINGPONG>::kMinCtasPerSm)
     GqaPrefillWgmmaKernel(const GqaParams<T> p) {
 #if JKV_HAS_WGMMA
-  using Sh = WgmmaShape<HEAD_DIM, WGS, BLOCK_N, PIPELINE>;
+  using Sh = WgmmaShape<HEAD_DIM, WGS, BLOCK_N, PINGPONG>;
   constexpr int kBlockM = Sh::kBlockM, kBlockN = BLOCK_N, kThreads = Sh::kThreads;
   constexpr int kStages = Sh::kStages;
   constexpr int NV = HEAD_DIM / 8;  // 16-byte chunks per row
@@ -72,6 +81,21 @@ __global__ void __launch_bounds__(WgmmaShape<HEAD_DIM, WGS, BLOCK_N, PIPELINE>::
 
   prefill::PrefillCta cta;
   if (!prefill::BeginPrefillCta<T, HEAD_DIM>(p, kBlockM, cta)) return;
+  // Ping-pong: full(s) completes when every thread's copies into stage s landed, empty(s) when
+  // every thread is done reading it.
+  const uint32_t bars = sq + Sh::kQBytes + Sh::kRingBytes;
+  auto full = [&](int stage) { return bars + 8 * stage; };
+  auto empty = [&](int stage) { return bars + 8 * (kStages + stage); };
+  if constexpr (PINGPONG) {
+    if (threadIdx.x == 0) {
+      for (int st = 0; st < kStages; ++st) {
+        MbarInit(full(st), kThreads);
+        MbarInit(empty(st), kThreads);
+      }
+      MbarInitFence();
+    }
+    __syncthreads();
+  }
   const int b = cta.b, qh = cta.qh, hkv = cta.hkv, L = cta.L, m0 = cta.m0;
   const int live_end = cta.live_end;
   const int64_t q_row0 = cta.q_row0;
@@ -167,50 +191,47 @@ __global__ void __launch_bounds__(WgmmaShape<HEAD_DIM, WGS, BLOCK_N, PIPELINE>::
   for (int i = 0; i < HEAD_DIM / 2; ++i) o[i] = 0.0f;
   float m[2] = {kMaxSentinel, kMaxSentinel}, l[2] = {0.0f, 0.0f};
   float s[kBlockN / 2];
-  float s_next[PIPELINE ? kBlockN / 2 : 1];
 
-  // Block b sits in stage b % kStages. The copies run kStages - 1 blocks ahead of the block
-  // whose S an iteration issues: block j (plain) or j + 1 (PIPELINE, S_j came before the loop).
-  load_kv(0, 0);
-  CpAsyncCommit();  // with Q
-  if constexpr (PIPELINE) {
-    if (nblocks > 1) load_kv(1, 1);
+  // Block b sits in stage b % kStages; the copies run kStages - 1 blocks ahead.
+  load_kv(0, 0);  // with Q
+  if constexpr (PINGPONG) {
+    CpAsyncArrive(full(0));
+    for (int blk = 1; blk < kStages - 1 && blk < nblocks; ++blk) {
+      load_kv(blk, blk);
+      CpAsyncArrive(full(blk));
+    }
+    if (wg == 1) NamedBarrierArrive(1, kThreads);  // warpgroup 0 issues first
+  } else {
     CpAsyncCommit();
-    CpAsyncWait<1>();
-    FenceProxyAsyncShared();
-    __syncthreads();
-    issue_s(s_next, 0);
-    WgmmaWait<0>();
-    WgmmaFenceOperands(s_next);
   }
   for (int j = 0; j < nblocks; ++j) {
-    if constexpr (PIPELINE) {
-#pragma unroll
-      for (int i = 0; i < kBlockN / 2; ++i) s[i] = s_next[i];  // S_j, waited last iteration
-    }
-    CpAsyncWait<0>();  // this iteration's block landed: the only group in flight
-    FenceProxyAsyncShared();
-    // Every thread's copies landed, and every warpgroup is done with block j - 1, whose stage
-    // the copies below overwrite.
-    __syncthreads();
-    if constexpr (PIPELINE) {
-      // The last iteration recomputes its own block's S (its stage is intact) and drops it: a
-      // wgmma under a branch the compiler cannot prove uniform gets them all serialized.
-      issue_s(s_next, min(j + 1, nblocks - 1));
+    const int stage = j % kStages;
+    if constexpr (PINGPONG) {
+      MbarWait(full(stage), (j / kStages) & 1);
+      // The copies were generic-proxy writes; wgmma reads through the async proxy.
+      FenceProxyAsyncShared();
+      NamedBarrierSync(1 + wg, kThreads);  // this warpgroup's turn to issue S
     } else {
-      issue_s(s, j);
+      CpAsyncWait<0>();  // this iteration's block landed: the only group in flight
+      FenceProxyAsyncShared();
+      // Every thread's copies landed, and every warpgroup is done with block j - 1, whose stage
+      // the copies below overwrite.
+      __syncthreads();
     }
-    // The copies of block j + kStages - 1 go out while the tensor cores compute S.
-    if (j + kStages - 1 < nblocks) {
-      load_kv(j + kStages - 1, (j + kStages - 1) % kStages);
+    issue_s(s, j);
+    if constexpr (PINGPONG) {
+      // The other warpgroup's turn. Warpgroup 0 waits once per block: warpgroup 1's arrival
+      // before the loop and after each of its blocks but the last pay for exactly those.
+      if (wg == 0 || j + 1 < nblocks) NamedBarrierArrive(2 - wg, kThreads);
+    } else if (j + 1 < nblocks) {
+      // The copies of block j + 1 go out while the tensor cores compute S.
+      load_kv(j + 1, (j + 1) % kStages);
       CpAsyncCommit();
     }
-    if constexpr (!PIPELINE) {
-      WgmmaWait<0>();
-      WgmmaFenceOperands(s);
-    }
+    WgmmaWait<0>();
+    WgmmaFenceOperands(s);
     const int n0 = kv_lo + j * kBlockN;
-    const uint32_t v_base = sk(j % kStages) + Sh::kTileBytes;
+    const uint32_t v_base = sk(stage) + Sh::kTileBytes;
 
     // Mask only the blocks that cross this warpgroup's diagonal, window edge or last key.
     prefill::SoftmaxBlock(s, o, m, l, sc,
@@ -239,7 +260,17 @@ __global__ void __launch_bounds__(WgmmaShape<HEAD_DIM, WGS, BLOCK_N, PIPELINE>::
     // cannot prove uniform gets every wgmma serialized.
     WgmmaWait<0>();
     WgmmaFenceOperands(o);
-    if constexpr (PIPELINE) WgmmaFenceOperands(s_next);
+    if constexpr (PINGPONG) {
+      MbarArrive(empty(stage));
+      // Refill the stage of block j - 1 once both warpgroups are done with it (the one behind
+      // finished it about a product ago, so this rarely waits).
+      const int next = j + kStages - 1;
+      if (next < nblocks) {
+        if (next >= kStages) MbarWait(empty(next % kStages), (next / kStages - 1) & 1);
+        load_kv(next, next % kStages);
+        CpAsyncArrive(full(next % kStages));
+      }
+    }
   }
 
   prefill::StoreWarpRows<T, HEAD_DIM>(p, cta, wg_row0 + warp * 16, o, l);
@@ -251,10 +282,10 @@ __global__ void __launch_bounds__(WgmmaShape<HEAD_DIM, WGS, BLOCK_N, PIPELINE>::
 
 }  // namespace
 
-template <typename T, int HEAD_DIM, int WGS, int BLOCK_N, bool PIPELINE>
+template <typename T, int HEAD_DIM, int WGS, int BLOCK_N, bool PINGPONG>
 cudaError_t LaunchGqaPrefillWgmmaConfig(const GqaParams<T>& p, cudaStream_t stream) {
-  using Sh = WgmmaShape<HEAD_DIM, WGS, BLOCK_N, PIPELINE>;
-  constexpr auto kernel = GqaPrefillWgmmaKernel<T, HEAD_DIM, WGS, BLOCK_N, PIPELINE>;
+  using Sh = WgmmaShape<HEAD_DIM, WGS, BLOCK_N, PINGPONG>;
+  constexpr auto kernel = GqaPrefillWgmmaKernel<T, HEAD_DIM, WGS, BLOCK_N, PINGPONG>;
   static std::atomic<uint64_t> configured{0};
   const cudaError_t allowed =
       AllowDynamicSmem(reinterpret_cast<const void*>(kernel), Sh::kSmemBytes, configured);
@@ -268,7 +299,7 @@ cudaError_t LaunchGqaPrefillWgmmaConfig(const GqaParams<T>& p, cudaStream_t stre
 template <typename T, int HEAD_DIM>
 cudaError_t LaunchGqaPrefillWgmma(const GqaParams<T>& p, cudaStream_t stream) {
   return LaunchGqaPrefillWgmmaConfig<T, HEAD_DIM, kDefaultWarpgroups, kDefaultBlockN,
-                                     kDefaultPipeline>(p, stream);
+                                     kDefaultPingPong>(p, stream);
 }
 
 template cudaError_t LaunchGqaPrefillWgmma<bf16_t, 64>(const GqaParams<bf16_t>&, cudaStream_t);
@@ -278,9 +309,10 @@ template cudaError_t LaunchGqaPrefillWgmma<f16_t, 128>(const GqaParams<f16_t>&, 
 
 #ifdef JKV_PREFILL_ALL_CONFIGS
 // The configurations bench/prefill_profile.cu times beside the default (bf16, D=128).
-#define JKV_PREFILL_CONFIG(WGS, BN, PIPE)                                       \
-  template cudaError_t LaunchGqaPrefillWgmmaConfig<bf16_t, 128, WGS, BN, PIPE>( \
+#define JKV_PREFILL_CONFIG(WGS, BN, PINGPONG)                                       \
+  template cudaError_t LaunchGqaPrefillWgmmaConfig<bf16_t, 128, WGS, BN, PINGPONG>( \
       const GqaParams<bf16_t>&, cudaStream_t);
+JKV_PREFILL_CONFIG(2, 128, true)
 JKV_PREFILL_CONFIG(2, 64, true)
 JKV_PREFILL_CONFIG(2, 64, false)
 JKV_PREFILL_CONFIG(1, 64, false)
