@@ -203,7 +203,7 @@ def xla_prefill(q, k, v, past):
     return jnp.einsum("bhgts,bshd->bthgd", p, v).reshape(B, T, HQ, D)
 
 
-PREFILL_KERNELS = ("auto", "mma", "pingpong")
+PREFILL_KERNELS = ("auto", "mma")
 
 
 def prefill_key(kernel: str, layout) -> str:
@@ -400,8 +400,7 @@ def main():
     ap.add_argument(
         "--prefill-kernel",
         default="auto",
-        help="comma list of CUDA prefill kernels to time: auto (wgmma on an H100/H200), mma, "
-        "pingpong (wgmma, ping-pong schedule)",
+        help="comma list of CUDA prefill kernels to time: auto (wgmma on an H100/H200), mma",
     )
     ap.add_argument("--parts", default="decode,prefill", help="tables to measure")
     args = ap.parse_args()

@@ -98,7 +98,9 @@ int main(int argc, char** argv) {
        [](const P& q) { return LaunchGqaPrefill(q, nullptr, jax_kv::PrefillKernel::kMma); }},
       {"wgmma default (2 wg, 128 keys)", [](const P& q) { return LaunchGqaPrefill(q, nullptr); }},
       {"wgmma 2 wg, 128 keys, ping-pong",
-       [](const P& q) { return LaunchGqaPrefill(q, nullptr, jax_kv::PrefillKernel::kPingPong); }},
+       [](const P& q) {
+         return jax_kv::LaunchGqaPrefillWgmmaConfig<bf16_t, kD, 2, 128, true>(q, nullptr);
+       }},
       {"wgmma 2 wg, 64 keys, ping-pong",
        [](const P& q) {
          return jax_kv::LaunchGqaPrefillWgmmaConfig<bf16_t, kD, 2, 64, true>(q, nullptr);

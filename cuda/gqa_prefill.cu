@@ -212,7 +212,7 @@ template <typename T, int HEAD_DIM>
 cudaError_t LaunchForHeadDim(const GqaParams<T>& p, cudaStream_t stream, PrefillKernel kernel) {
   if constexpr (!std::is_same_v<T, float> && (HEAD_DIM == 64 || HEAD_DIM == 128)) {
     if (PrefillUsesWgmma(kernel, HEAD_DIM, sizeof(T))) {
-      return LaunchGqaPrefillWgmma<T, HEAD_DIM>(p, stream, kernel == PrefillKernel::kPingPong);
+      return LaunchGqaPrefillWgmma<T, HEAD_DIM>(p, stream);
     }
   }
   if constexpr (std::is_same_v<T, float>) {
@@ -234,7 +234,7 @@ cudaError_t LaunchForHeadDim(const GqaParams<T>& p, cudaStream_t stream, Prefill
 }  // namespace
 
 bool PrefillUsesWgmma(PrefillKernel kernel, int head_dim, int itemsize) {
-  return kernel != PrefillKernel::kMma && itemsize == 2 && (head_dim == 64 || head_dim == 128) &&
+  return kernel == PrefillKernel::kAuto && itemsize == 2 && (head_dim == 64 || head_dim == 128) &&
          CurrentDeviceComputeCapability() == 90;
 }
 

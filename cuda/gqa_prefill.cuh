@@ -13,9 +13,8 @@ namespace jax_kv {
 // latches its code, leaves b's cache untouched and makes out[b] NaN.
 // kAuto: the wgmma kernel (cuda/gqa_prefill_wgmma.cu) for bf16/f16 at head dims 64 and 128 on a
 // compute-capability 9.0 device, the mma.sync kernel otherwise; kMma: always the mma.sync
-// kernel; kPingPong: as kAuto with the wgmma kernel's ping-pong schedule (the two warpgroups
-// out of step; under evaluation, not yet the default). f32 takes its own path either way.
-enum class PrefillKernel { kAuto = 0, kMma = 1, kPingPong = 2 };
+// kernel (f32 takes its own path either way).
+enum class PrefillKernel { kAuto = 0, kMma = 1 };
 
 // Whether LaunchGqaPrefill runs the wgmma kernel for this choice, head dim and element size
 // on the current device.

@@ -192,10 +192,9 @@ __device__ __forceinline__ void StoreWarpRows(const GqaParams<T>& p, const Prefi
 }  // namespace prefill
 
 // The wgmma kernel (bf16/f16, HEAD_DIM 64 or 128; sm_90a SASS, so compute capability 9.0 only)
-// in its default configuration (lockstep, or the ping-pong schedule), and in any
-// (cuda/gqa_prefill_wgmma.cu, WgmmaShape).
+// in its default configuration, and in any (cuda/gqa_prefill_wgmma.cu, WgmmaShape).
 template <typename T, int HEAD_DIM>
-cudaError_t LaunchGqaPrefillWgmma(const GqaParams<T>& p, cudaStream_t stream, bool pingpong);
+cudaError_t LaunchGqaPrefillWgmma(const GqaParams<T>& p, cudaStream_t stream);
 template <typename T, int HEAD_DIM, int WGS, int BLOCK_N, bool PINGPONG>
 cudaError_t LaunchGqaPrefillWgmmaConfig(const GqaParams<T>& p, cudaStream_t stream);
 

@@ -297,27 +297,22 @@ cudaError_t LaunchGqaPrefillWgmmaConfig(const GqaParams<T>& p, cudaStream_t stre
 }
 
 template <typename T, int HEAD_DIM>
-cudaError_t LaunchGqaPrefillWgmma(const GqaParams<T>& p, cudaStream_t stream, bool pingpong) {
-  if (pingpong) {
-    return LaunchGqaPrefillWgmmaConfig<T, HEAD_DIM, kDefaultWarpgroups, kDefaultBlockN, true>(
-        p, stream);
-  }
+cudaError_t LaunchGqaPrefillWgmma(const GqaParams<T>& p, cudaStream_t stream) {
   return LaunchGqaPrefillWgmmaConfig<T, HEAD_DIM, kDefaultWarpgroups, kDefaultBlockN,
                                      kDefaultPingPong>(p, stream);
 }
 
-template cudaError_t LaunchGqaPrefillWgmma<bf16_t, 64>(const GqaParams<bf16_t>&, cudaStream_t,
-                                                       bool);
-template cudaError_t LaunchGqaPrefillWgmma<bf16_t, 128>(const GqaParams<bf16_t>&, cudaStream_t,
-                                                        bool);
-template cudaError_t LaunchGqaPrefillWgmma<f16_t, 64>(const GqaParams<f16_t>&, cudaStream_t, bool);
-template cudaError_t LaunchGqaPrefillWgmma<f16_t, 128>(const GqaParams<f16_t>&, cudaStream_t, bool);
+template cudaError_t LaunchGqaPrefillWgmma<bf16_t, 64>(const GqaParams<bf16_t>&, cudaStream_t);
+template cudaError_t LaunchGqaPrefillWgmma<bf16_t, 128>(const GqaParams<bf16_t>&, cudaStream_t);
+template cudaError_t LaunchGqaPrefillWgmma<f16_t, 64>(const GqaParams<f16_t>&, cudaStream_t);
+template cudaError_t LaunchGqaPrefillWgmma<f16_t, 128>(const GqaParams<f16_t>&, cudaStream_t);
 
 #ifdef JKV_PREFILL_ALL_CONFIGS
 // The configurations bench/prefill_profile.cu times beside the default (bf16, D=128).
 #define JKV_PREFILL_CONFIG(WGS, BN, PINGPONG)                                       \
   template cudaError_t LaunchGqaPrefillWgmmaConfig<bf16_t, 128, WGS, BN, PINGPONG>( \
       const GqaParams<bf16_t>&, cudaStream_t);
+JKV_PREFILL_CONFIG(2, 128, true)
 JKV_PREFILL_CONFIG(2, 64, true)
 JKV_PREFILL_CONFIG(2, 64, false)
 JKV_PREFILL_CONFIG(1, 64, false)

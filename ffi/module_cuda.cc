@@ -36,8 +36,6 @@ static nb::capsule Capsule(Fn* fn) {
 
 static const char* const kTargetNames[jax_kv::kNumHostCallTargets] = {
     "jax_kv_gqa_decode", "jax_kv_gqa_prefill", "jax_kv_grow_cache", "jax_kv_matvec"};
-// Indexed by jax_kv::PrefillKernel.
-static const std::string kPrefillKernelNames[] = {"auto", "mma", "pingpong"};
 
 NB_MODULE(_ffi_cuda, m) {
   m.doc() = "jax_kv CUDA handlers (XLA FFI, command-buffer compatible)";
@@ -110,26 +108,30 @@ NB_MODULE(_ffi_cuda, m) {
   m.def(
       "set_prefill_kernel",
       [](const std::string& kernel) {
-        const auto* named =
-            std::find(std::begin(kPrefillKernelNames), std::end(kPrefillKernelNames), kernel);
-        if (named == std::end(kPrefillKernelNames)) {
-          throw std::invalid_argument(
-              "prefill kernel: expected 'auto', 'mma' or 'pingpong', got '" + kernel + "'");
+        jax_kv::PrefillKernel k;
+        if (kernel == "auto") {
+          k = jax_kv::PrefillKernel::kAuto;
+        } else if (kernel == "mma") {
+          k = jax_kv::PrefillKernel::kMma;
+        } else {
+          throw std::invalid_argument("prefill kernel: expected 'auto' or 'mma', got '" + kernel +
+                                      "'");
         }
-        jax_kv::g_prefill_kernel.store(static_cast<int>(named - std::begin(kPrefillKernelNames)),
-                                       std::memory_order_relaxed);
+        jax_kv::g_prefill_kernel.store(static_cast<int>(k), std::memory_order_relaxed);
       },
       nb::arg("kernel"),
       "Selects the prefill kernel from now on: 'auto' (wgmma for bf16/f16 at head dims 64 and "
-      "128 on a compute-capability 9.0 GPU, mma.sync otherwise), 'mma' (mma.sync always) or "
-      "'pingpong' (as 'auto', with the wgmma kernel's ping-pong schedule); a CUDA graph "
-      "recorded earlier keeps its kernel.");
+      "128 on a compute-capability 9.0 GPU, mma.sync otherwise) or 'mma' (mma.sync always); a "
+      "CUDA graph recorded earlier keeps its kernel.");
   m.def(
       "prefill_kernel",
       []() -> std::string {
-        return kPrefillKernelNames[jax_kv::g_prefill_kernel.load(std::memory_order_relaxed)];
+        return jax_kv::g_prefill_kernel.load(std::memory_order_relaxed) ==
+                       static_cast<int>(jax_kv::PrefillKernel::kMma)
+                   ? "mma"
+                   : "auto";
       },
-      "The prefill kernel setting: 'auto', 'mma' or 'pingpong'.");
+      "The prefill kernel setting: 'auto' or 'mma'.");
   m.def(
       "prefill_uses_wgmma",
       [](int head_dim, int itemsize) {

@@ -78,8 +78,8 @@ def _decode_kernel(name: str, raw: str) -> int:
 
 def _prefill_kernel(name: str, raw: str) -> str:
     value = raw.strip().lower()
-    if value not in ("auto", "mma", "pingpong"):
-        raise ConfigError(f"{name}: expected auto, mma or pingpong, got {raw!r}")
+    if value not in ("auto", "mma"):
+        raise ConfigError(f"{name}: expected auto or mma, got {raw!r}")
     return value
 
 
@@ -118,8 +118,7 @@ class RuntimeConfig:
         later (a recorded CUDA graph keeps the kernel it was recorded with).
     prefill_kernel: JAX_KV_PREFILL_KERNEL, which CUDA prefill kernel gqa_prefill launches:
         "auto" (the default: the wgmma kernel for bf16/f16 at head dims 64 and 128 on a
-        compute-capability 9.0 GPU, the mma.sync kernel otherwise), "mma" (mma.sync always) or
-        "pingpong" (as "auto", with the wgmma kernel's ping-pong schedule; under evaluation).
+        compute-capability 9.0 GPU, the mma.sync kernel otherwise) or "mma" (mma.sync always).
         Applied like decode_kernel (`_ffi_cuda.set_prefill_kernel` changes it later).
     matvec: JAX_KV_MATVEC, on: the models' projections at B * T <= 4 rows run as the CUDA
         matvec kernel with the norm, SwiGLU and residual folded in; off (the default): XLA's

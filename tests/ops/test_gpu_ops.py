@@ -56,17 +56,15 @@ def decode_kernel(request):
     jax.clear_caches()
 
 
-@pytest.fixture(params=["auto", "mma", "pingpong"], ids=lambda k: f"prefill-{k}")
+@pytest.fixture(params=["auto", "mma"], ids=lambda k: f"prefill-{k}")
 def prefill_kernel(request):
     """Selects the CUDA prefill kernel for one test ('auto': wgmma for bf16/f16 at head dims 64
-    and 128 on this H200, asserted; 'mma': the mma.sync kernel; 'pingpong': the wgmma kernel's
-    ping-pong schedule where wgmma applies) and restores the selection."""
+    and 128 on this H200, asserted; 'mma': the mma.sync kernel) and restores the selection."""
     mod = cuda_module()
     before = mod.prefill_kernel()
     jax.clear_caches()
     mod.set_prefill_kernel(request.param)
-    assert mod.prefill_kernel() == request.param
-    if request.param != "mma" and jax.devices("cuda")[0].compute_capability == "9.0":
+    if request.param == "auto" and jax.devices("cuda")[0].compute_capability == "9.0":
         assert mod.prefill_uses_wgmma(128, 2) and mod.prefill_uses_wgmma(64, 2)
         assert not mod.prefill_uses_wgmma(96, 2) and not mod.prefill_uses_wgmma(128, 4)
     yield request.param
