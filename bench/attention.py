@@ -125,15 +125,21 @@ def decode_key(kernel: str, layout: Layout) -> str:
     return f"jax_kv_{layout.name}" if kernel == "1" else f"jax_kv_k{kernel}_{layout.name}"
 
 
-def select_decode_kernel(kernel: str) -> None:
-    """Makes the CUDA decode handler launch kernel spec `kernel` (KERNEL_SPECS) from the next
-    compiled step on."""
+def cuda_module(option: str):
+    """The registered CUDA module, which `option` (a command-line flag) needs."""
     from jax_kv import _ffi
 
     _ffi.register()
     cuda = _ffi.cuda_module()
     if cuda is None:
-        raise RuntimeError("--decode-kernel needs the CUDA module (JAX_KV_CUDA=ON build)")
+        raise RuntimeError(f"{option} needs the CUDA module (JAX_KV_CUDA=ON build)")
+    return cuda
+
+
+def select_decode_kernel(kernel: str) -> None:
+    """Makes the CUDA decode handler launch kernel spec `kernel` (KERNEL_SPECS) from the next
+    compiled step on."""
+    cuda = cuda_module("--decode-kernel")
     number, _, shape = kernel.partition("-")
     cuda.set_decode_kernel(int(number))
     cuda.set_decode_v2_ctas(shape or "auto")
@@ -206,22 +212,15 @@ def xla_prefill(q, k, v, past):
 PREFILL_KERNELS = ("auto", "mma")
 
 
-def prefill_key(kernel: str, layout) -> str:
+def prefill_key(kernel: str, layout: Layout) -> str:
     """Row key of jax_kv's prefill time with prefill kernel `kernel` ('auto' keeps the old key)."""
-    name = layout if isinstance(layout, str) else layout.name
-    return f"jax_kv_{name}" if kernel == "auto" else f"jax_kv_{kernel}_{name}"
+    return f"jax_kv_{layout.name}" if kernel == "auto" else f"jax_kv_{kernel}_{layout.name}"
 
 
 def select_prefill_kernel(kernel: str) -> None:
     """Makes the CUDA prefill handler launch `kernel` ('auto': wgmma where it applies; 'mma')
     from the next compiled step on."""
-    from jax_kv import _ffi
-
-    _ffi.register()
-    cuda = _ffi.cuda_module()
-    if cuda is None:
-        raise RuntimeError("--prefill-kernel needs the CUDA module (JAX_KV_CUDA=ON build)")
-    cuda.set_prefill_kernel(kernel)
+    cuda_module("--prefill-kernel").set_prefill_kernel(kernel)
 
 
 def bench_prefill(T, past, iters, kernels=("auto",)):
@@ -320,11 +319,11 @@ def print_prefill(rows, kernels=("auto",)):
         f"{'cuDNN':>8} {'TFLOP/s':>8} | {'XLA':>8} {'TFLOP/s':>8} | {'x cuDNN':>7}"
     )
     for r in rows:
-        for lay, kernel in ((lay, k) for lay in ("HEAD_MAJOR", "SEQ_MAJOR") for k in kernels):
+        for lay, kernel in ((lay, k) for lay in Layout for k in kernels):
             key = prefill_key(kernel, lay)
             ours = r.get(key)
             print(
-                f"{r['T']:>6} {r['past']:>6} | {lay:>10} {kernel:>6} {fmt(ours, 1e3, '8.3f')} "
+                f"{r['T']:>6} {r['past']:>6} | {lay.name:>10} {kernel:>6} {fmt(ours, 1e3, '8.3f')} "
                 f"{fmt(r.get(f'tflops_{key}'))} | {fmt(r['cudnn'], 1e3, '8.3f')} "
                 f"{fmt(r['tflops_cudnn'])} | {fmt(r['xla'], 1e3, '8.3f')} "
                 f"{fmt(r['tflops_xla'])} | {fmt(ratio(ours, r['cudnn']), 1, '7.2f')}"
@@ -469,7 +468,7 @@ def main():
         save()
         r = prefill[-1]
         ours = ", ".join(
-            f"{k} {fmt(r.get(prefill_key(k, 'SEQ_MAJOR')), 1e3, '8.3f').strip()}"
+            f"{k} {fmt(r.get(prefill_key(k, Layout.SEQ_MAJOR)), 1e3, '8.3f').strip()}"
             for k in prefill_kernels
         )
         print(

@@ -1,8 +1,9 @@
 // Standalone driver of the CUDA prefill kernels for Nsight Compute, built without Python, XLA
 // or the FFI module (seconds to compile against minutes for the package):
 //
-//   nvcc -O3 -std=c++17 -I. -arch=sm_90a -DJKV_PREFILL_ALL_CONFIGS -o /tmp/prefill_profile \
-//       bench/prefill_profile.cu cuda/gqa_prefill.cu cuda/gqa_prefill_wgmma.cu cuda/device_info.cu
+//   nvcc -O3 -std=c++17 -I. -arch=sm_90a -DJKV_PREFILL_ALL_CONFIGS -o /tmp/prefill_profile
+//       bench/prefill_profile.cu cuda/gqa_prefill.cu cuda/gqa_prefill_wgmma.cu
+//       cuda/device_info.cu    (one command)
 //   /tmp/prefill_profile [T] [past]    # times the kernels (CUDA events, median), checks each
 //                                      # wgmma configuration's output against mma.sync's
 //   ncu --set full -k regex:GqaPrefill -c 1 /tmp/prefill_profile 16384 0 1
@@ -56,6 +57,15 @@ jax_kv::bf16_t* Random(int64_t n, uint32_t seed) {
   return p;
 }
 
+using P = jax_kv::GqaParams<jax_kv::bf16_t>;
+
+// One wgmma kernel shape (bf16, D=128), instantiated under -DJKV_PREFILL_ALL_CONFIGS.
+template <int WGS, int BLOCK_N, bool PINGPONG>
+cudaError_t LaunchShape(const P& p) {
+  return jax_kv::LaunchGqaPrefillWgmmaConfig<jax_kv::bf16_t, kD, WGS, BLOCK_N, PINGPONG>(p,
+                                                                                         nullptr);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -91,32 +101,16 @@ int main(int argc, char** argv) {
     return 0;
   }
   const double flops = 4.0 * kHq * kD * (double(T) * past + double(T) * (T + 1) / 2);
-  using P = jax_kv::GqaParams<jax_kv::bf16_t>;
   using jax_kv::bf16_t;
   const std::pair<const char*, std::function<cudaError_t(const P&)>> kernels[] = {
       {"mma.sync",
        [](const P& q) { return LaunchGqaPrefill(q, nullptr, jax_kv::PrefillKernel::kMma); }},
       {"wgmma default (2 wg, 128 keys)", [](const P& q) { return LaunchGqaPrefill(q, nullptr); }},
-      {"wgmma 2 wg, 128 keys, ping-pong",
-       [](const P& q) {
-         return jax_kv::LaunchGqaPrefillWgmmaConfig<bf16_t, kD, 2, 128, true>(q, nullptr);
-       }},
-      {"wgmma 2 wg, 64 keys, ping-pong",
-       [](const P& q) {
-         return jax_kv::LaunchGqaPrefillWgmmaConfig<bf16_t, kD, 2, 64, true>(q, nullptr);
-       }},
-      {"wgmma 2 wg, 64 keys",
-       [](const P& q) {
-         return jax_kv::LaunchGqaPrefillWgmmaConfig<bf16_t, kD, 2, 64, false>(q, nullptr);
-       }},
-      {"wgmma 1 wg, 64 keys (2 CTAs/SM)",
-       [](const P& q) {
-         return jax_kv::LaunchGqaPrefillWgmmaConfig<bf16_t, kD, 1, 64, false>(q, nullptr);
-       }},
-      {"wgmma 1 wg, 128 keys",
-       [](const P& q) {
-         return jax_kv::LaunchGqaPrefillWgmmaConfig<bf16_t, kD, 1, 128, false>(q, nullptr);
-       }},
+      {"wgmma 2 wg, 128 keys, ping-pong", LaunchShape<2, 128, true>},
+      {"wgmma 2 wg, 64 keys, ping-pong", LaunchShape<2, 64, true>},
+      {"wgmma 2 wg, 64 keys", LaunchShape<2, 64, false>},
+      {"wgmma 1 wg, 64 keys (2 CTAs/SM)", LaunchShape<1, 64, false>},
+      {"wgmma 1 wg, 128 keys", LaunchShape<1, 128, false>},
   };
   const int64_t n_out = int64_t{T} * kHq * kD;
   std::vector<bf16_t> ref(n_out), got(n_out);
