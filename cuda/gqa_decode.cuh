@@ -31,8 +31,8 @@ struct GqaDecodePlan {
 };
 
 // Kernel 2 (cuda/gqa_decode_v2.cu): same contract as LaunchGqaDecode, one launch (cp.async
-// pipelines, last-CTA split combine) plus a one-CTA kernel that zeroes its split counters in the
-// workspace.
+// pipelines, last-CTA split combine); its split counters come from a pool the kernel keeps at
+// zero (or from the workspace, zeroed by a one-CTA kernel: g_split_counter_pool).
 template <typename T>
 cudaError_t LaunchGqaDecodeV2(const GqaParams<T>& p, cudaStream_t stream);
 
@@ -41,6 +41,11 @@ cudaError_t LaunchGqaDecodeV2(const GqaParams<T>& p, cudaStream_t stream);
 // force a shape (tests and benches). Read by the launcher and GqaDecodeV2Plan on each call.
 enum DecodeV2Ctas : int { kDecodeV2Auto = 0, kDecodeV2Narrow = 1, kDecodeV2Wide = 2 };
 extern std::atomic<int> g_decode_v2_ctas;
+
+// Where kernels 2 and 3 keep their split counters: true (default), a per-device pool the
+// kernels keep at zero, no zeroing node; false, the workspace, zeroed by a kernel node before
+// each launch (the path calls too large for the pool take). Read on each launch.
+extern std::atomic<bool> g_split_counter_pool;
 
 // Kernel 3 (cuda/gqa_decode_mma.cu): kernel 2's grid with the tile math on tensor cores, for bf16
 // and f16 at head dims 64/80/96/128; other calls run kernel 2. Same workspace as kernel 2.

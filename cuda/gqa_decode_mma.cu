@@ -85,7 +85,8 @@ constexpr int MmaMinChunkRows() {
 
 template <typename T, int HEAD_DIM, int WARPS>
 __global__ void __launch_bounds__(32 * WARPS, (MmaShape<T, HEAD_DIM, WARPS>::kMinBlocks))
-    GqaDecodeMmaKernel(const GqaParams<T> p, int num_splits, int head_chunks, int min_chunk) {
+    GqaDecodeMmaKernel(const GqaParams<T> p, int num_splits, int head_chunks, int min_chunk,
+                       int counter_region) {
   using Sh = MmaShape<T, HEAD_DIM, WARPS>;
   constexpr int G = kMaxGroup;
   constexpr int kSteps = Sh::kSteps;
@@ -289,7 +290,7 @@ __global__ void __launch_bounds__(32 * WARPS, (MmaShape<T, HEAD_DIM, WARPS>::kMi
     sm_l[warp][quad] = l_run;
   }
   __syncthreads();
-  EndDecodeCta<T, HEAD_DIM, G, WARPS>(p, c, num_splits, sm_m, sm_l, smem_raw);
+  EndDecodeCta<T, HEAD_DIM, G, WARPS>(p, c, num_splits, counter_region, sm_m, sm_l, smem_raw);
 }
 
 template <typename T, int HEAD_DIM, int WARPS>

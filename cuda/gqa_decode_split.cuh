@@ -118,15 +118,25 @@ __device__ __forceinline__ void PatchNewRow(const T* k_new, const T* v_new, uint
   __syncwarp();
 }
 
+// Split counters that outlive a launch: one pool per kernel module (each .cu that includes this
+// header has its own), zero when the module loads. Kernels name it directly, so the host never
+// looks a device symbol up. TakeCounterRegion below says how it stays zero.
+constexpr int kCounterPoolWords = 1 << 18;  // 1 MiB per module and device
+static __device__ unsigned g_split_counters[kCounterPoolWords];
+
 // Ends a CTA once its warps have left (m, l) in sm_m / sm_l and acc in sm_acc
 // ([WARPS][GROUP][HEAD_DIM] f32 at the start of dynamic shared memory, `smem`, which must hold
 // GROUP * kMaxSplits floats too) and synchronized: the CTA's result goes to the output rows when
 // it is the lone active split, else to the workspace, and the last split of its (b, KV head,
 // head chunk) to arrive merges them all (threadFenceReduction's pattern: publish, fence, count;
 // the last to count reads everything after a fence).
+// `counter_region` is the offset of this launch's words in the pool, one per (b, KV head, head
+// chunk), or -1: the workspace's words after the partials, zeroed by a kernel node before the
+// launch. Either way they are zero at launch, and the last CTA leaves its word at zero again.
 template <typename T, int HEAD_DIM, int GROUP, int WARPS>
 __device__ __forceinline__ void EndDecodeCta(const GqaParams<T>& p, const DecodeCta& c,
-                                             int num_splits, const float (&sm_m)[WARPS][GROUP],
+                                             int num_splits, int counter_region,
+                                             const float (&sm_m)[WARPS][GROUP],
                                              const float (&sm_l)[WARPS][GROUP],
                                              unsigned char* smem) {
   constexpr int kThreads = 32 * WARPS;
@@ -141,10 +151,12 @@ __device__ __forceinline__ void EndDecodeCta(const GqaParams<T>& p, const Decode
   if (store_splits == 1) return;
   const int64_t bh0 = static_cast<int64_t>(c.b) * p.num_q_heads + c.qh0;
   const int64_t ml_base = static_cast<int64_t>(p.batch) * p.num_q_heads * num_splits * HEAD_DIM;
-  const int64_t counter_base =
-      ml_base + static_cast<int64_t>(p.batch) * p.num_q_heads * num_splits * 2;
-  unsigned* counter = reinterpret_cast<unsigned*>(p.workspace + counter_base) +
-                      (static_cast<int64_t>(c.b) * gridDim.y + blockIdx.y);
+  unsigned* counters = counter_region >= 0
+                           ? g_split_counters + counter_region
+                           : reinterpret_cast<unsigned*>(p.workspace + ml_base +
+                                                         static_cast<int64_t>(p.batch) *
+                                                             p.num_q_heads * num_splits * 2);
+  unsigned* counter = counters + (static_cast<int64_t>(c.b) * gridDim.y + blockIdx.y);
   __threadfence();
   __syncthreads();
   if (tid == 0) s_last = atomicAdd(counter, 1u) == static_cast<unsigned>(c.active - 1);
@@ -192,7 +204,9 @@ __device__ __forceinline__ void EndDecodeCta(const GqaParams<T>& p, const Decode
     o[2] = from_f32<T>(sum.z * inv);
     o[3] = from_f32<T>(sum.w * inv);
   }
-  if (tid == 0) *counter = 0u;  // tidy; the launcher zeroes the counters before every launch
+  // Every other split of this (b, KV head, head chunk) has counted: the word is free again, and
+  // a pool region stays all zeros between launches.
+  if (tid == 0) *counter = 0u;
 }
 
 // ---- host side ----
@@ -226,8 +240,21 @@ inline bool UseWide(int64_t ctas) {
 // Zeroes the split counters (a one-CTA kernel node; defined in cuda/gqa_decode_v2.cu).
 void LaunchZeroCounters(unsigned* counters, int n, cudaStream_t stream);
 
+// The offset of n zeroed words in the split-counter pool (g_split_counters) for the launch the
+// caller is about to make, or -1 (pool off, n too large): then the workspace's words, zeroed by
+// a kernel node, serve. Defined in cuda/gqa_decode_v2.cu. No launch has to zero a region: the
+// last CTA of each (b, KV head, head chunk) resets its word. What that saves per decode launch
+// is the zeroing node: 0.8 us of device time and ~2.5 us of cuGraphLaunch host time on the H200
+// (bench/NOTES.md). Each host call takes the next region, so the nodes of one recorded CUDA
+// graph never share words, and a region comes round again only after the whole pool has been
+// handed out (kCounterPoolWords / 32 calls at the least): launches on one stream run in order,
+// and XLA runs a device's kernels on one compute stream.
+constexpr int kCounterRegionMaxWords = kCounterPoolWords / 64;
+int TakeCounterRegion(int n);
+
 // Launches a one-launch split-K decode kernel: `plan.num_splits` clamped to the workspace
-// (partials, then one counter per (b, KV head, head chunk)), counters zeroed when it splits.
+// (partials, then one counter per (b, KV head, head chunk)); when it splits, the counters come
+// from the pool or, zeroed first, from the workspace.
 // The kernel is a template argument so each one keeps its own shared-memory opt-in bit.
 template <auto Kernel, typename T>
 cudaError_t LaunchSplitDecode(const GqaParams<T>& p, int chunks, int threads, int smem,
@@ -243,12 +270,16 @@ cudaError_t LaunchSplitDecode(const GqaParams<T>& p, int chunks, int threads, in
   const int64_t room = p.workspace == nullptr ? 0 : p.workspace_floats - ctas;  // counters
   splits = static_cast<int>(std::min<int64_t>(splits, std::max<int64_t>(0, room) / per_split));
   if (splits < 2) splits = 1;
+  int counter_region = -1;
   if (splits > 1) {
-    LaunchZeroCounters(reinterpret_cast<unsigned*>(p.workspace + per_split * splits),
-                       static_cast<int>(ctas), stream);
+    counter_region = TakeCounterRegion(static_cast<int>(ctas));
+    if (counter_region < 0) {
+      LaunchZeroCounters(reinterpret_cast<unsigned*>(p.workspace + per_split * splits),
+                         static_cast<int>(ctas), stream);
+    }
   }
   const dim3 grid(splits, p.num_kv_heads * chunks, p.batch);
-  Kernel<<<grid, threads, smem, stream>>>(p, splits, chunks, plan.min_chunk);
+  Kernel<<<grid, threads, smem, stream>>>(p, splits, chunks, plan.min_chunk, counter_region);
   return cudaGetLastError();
 }
 

@@ -25,12 +25,12 @@
 //    acc is rescaled only when it grew (a warp-uniform branch). Estimated ~55 issued
 //    instructions per K/V row at group 4 against kernel 1's ~80: the loop stops competing
 //    with the loads for issue slots.
-// 3. One launch. The last CTA of each (b, KV head, head chunk) to finish (an atomic counter in
-//    the workspace) merges the splits; the combine kernel and its grid-wide drain go away.
-//    The counters need zeroing before the kernel: a one-CTA kernel over B*Hkv*chunks words (a
-//    kernel node, no allocation, capture-safe). A "last CTA resets it for the next call" scheme
-//    cannot be trusted here: the workspace is an XLA result buffer whose contents do not
-//    survive between calls (buffer assignment reuses that memory for other ops). Expected at
+// 3. One launch. The last CTA of each (b, KV head, head chunk) to finish (an atomic counter)
+//    merges the splits; the combine kernel and its grid-wide drain go away. The counters must
+//    be zero at launch. The workspace cannot keep them so between calls (an XLA result buffer:
+//    buffer assignment reuses that memory for other ops), so they live in a per-device pool in
+//    device memory whose words the last CTA resets (split_decode::TakeCounterRegion); calls too
+//    large for it use workspace words zeroed by a one-CTA kernel node first. Expected at
 //    (1, 4096): 16.3 -> ~12 us (one kernel node + one memset node instead of two kernels, and
 //    the pipelined loop); the small rows stay latency-bound.
 // Registers: capped at 128 per thread (__launch_bounds__(128, 4)); shared memory ~53 KB per
@@ -45,6 +45,7 @@
 namespace jax_kv {
 
 std::atomic<int> g_decode_v2_ctas{kDecodeV2Auto};
+std::atomic<bool> g_split_counter_pool{true};
 
 namespace {
 
@@ -172,7 +173,8 @@ __device__ __forceinline__ void LoadPiece(const void* smem, float (&f)[BYTES / s
 
 template <typename T, int HEAD_DIM, int GROUP, int WARPS>
 __global__ void __launch_bounds__(32 * WARPS, MinBlocks<GROUP, WARPS>())
-    GqaDecodeV2Kernel(const GqaParams<T> p, int num_splits, int head_chunks, int min_chunk) {
+    GqaDecodeV2Kernel(const GqaParams<T> p, int num_splits, int head_chunks, int min_chunk,
+                      int counter_region) {
   using Sh = ShapeV2<T, HEAD_DIM, WARPS>;
   constexpr int kWarps = WARPS;
   constexpr int kThreads = Sh::kThreads;
@@ -443,7 +445,8 @@ __global__ void __launch_bounds__(32 * WARPS, MinBlocks<GROUP, WARPS>())
     }
   }
   __syncthreads();
-  EndDecodeCta<T, HEAD_DIM, GROUP, kWarps>(p, cta, num_splits, sm_m, sm_l, smem_raw);
+  EndDecodeCta<T, HEAD_DIM, GROUP, kWarps>(p, cta, num_splits, counter_region, sm_m, sm_l,
+                                           smem_raw);
 }
 
 // The split counters are zeroed by a kernel, not cudaMemsetAsync: in XLA's command buffer the
@@ -550,6 +553,23 @@ GqaDecodePlan PlanForType(int batch, int num_q_heads, int num_kv_heads, int head
 
 void split_decode::LaunchZeroCounters(unsigned* counters, int n, cudaStream_t stream) {
   ZeroCounters<<<1, kZeroThreads, 0, stream>>>(counters, n);
+}
+
+namespace {
+std::atomic<uint64_t> g_pool_cursor{0};  // one cursor for every module and device: it only
+                                         // has to hand out regions in turn
+}  // namespace
+
+int split_decode::TakeCounterRegion(int n) {
+  if (!g_split_counter_pool.load(std::memory_order_relaxed) || n <= 0 ||
+      n > kCounterRegionMaxWords) {
+    return -1;
+  }
+  const uint64_t words = (static_cast<uint64_t>(n) + 31) / 32 * 32;  // 128-byte regions
+  uint64_t start = g_pool_cursor.fetch_add(words, std::memory_order_relaxed) %
+                   static_cast<uint64_t>(kCounterPoolWords);
+  if (start + words > static_cast<uint64_t>(kCounterPoolWords)) start = 0;
+  return static_cast<int>(start);
 }
 
 GqaDecodePlan GqaDecodeV2Plan(int batch, int num_q_heads, int num_kv_heads, int head_dim,

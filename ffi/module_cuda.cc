@@ -176,6 +176,24 @@ NB_MODULE(_ffi_cuda, m) {
       },
       "Decode kernel 2's CTA shape setting: 'auto', 'narrow' or 'wide'.");
   m.def(
+      "set_split_counters",
+      [](const std::string& where) {
+        if (where != "pool" && where != "workspace") {
+          throw std::invalid_argument("where: expected 'pool' or 'workspace', got '" + where + "'");
+        }
+        jax_kv::g_split_counter_pool.store(where == "pool", std::memory_order_relaxed);
+      },
+      nb::arg("where"),
+      "Where decode kernels 2 and 3 keep their split counters: 'pool' (default: device memory "
+      "the kernels keep at zero, no zeroing node) or 'workspace' (zeroed by a kernel node before "
+      "each launch); a CUDA graph recorded earlier keeps its choice.");
+  m.def(
+      "split_counters",
+      []() -> std::string {
+        return jax_kv::g_split_counter_pool.load(std::memory_order_relaxed) ? "pool" : "workspace";
+      },
+      "Where decode kernels 2 and 3 keep their split counters: 'pool' or 'workspace'.");
+  m.def(
       "decode_plan",
       [](int batch, int num_q_heads, int num_kv_heads, int head_dim, int itemsize) {
         if (batch <= 0 || num_q_heads <= 0 || num_kv_heads <= 0 ||

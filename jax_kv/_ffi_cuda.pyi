@@ -32,6 +32,14 @@ def set_decode_v2_ctas(shape: str) -> None:
 def decode_v2_ctas() -> str:
     """Decode kernel 2's CTA shape setting: "auto", "narrow" or "wide"."""
 
+def set_split_counters(where: str) -> None:
+    """Where decode kernels 2 and 3 keep their split counters: "pool" (default: device memory
+    the kernels keep at zero, no zeroing node per launch) or "workspace" (zeroed by a kernel
+    node before each launch); ValueError otherwise."""
+
+def split_counters() -> str:
+    """Where decode kernels 2 and 3 keep their split counters: "pool" or "workspace"."""
+
 def decode_plan(
     batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, itemsize: int
 ) -> tuple[int, int, int]:

@@ -31,11 +31,11 @@ for s in $STAGES; do
       nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader ;;
     ops)
       stage "ops (command buffers forced on)"
-      XLA_FLAGS=--xla_gpu_graph_min_graph_size=1 timeout -k 10 150 python3 -m pytest -m gpu \
+      XLA_FLAGS=--xla_gpu_graph_min_graph_size=1 timeout -k 10 240 python3 -m pytest -m gpu \
         tests/ops -q -p no:cacheprovider -p no:benchmark -n 4 2>&1 | tee "$OUT/ops_graphs_on.log" | tail -4 ;;
     ops-off)
       stage "ops (command buffers off)"
-      XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout -k 10 150 python3 -m pytest -m gpu \
+      XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout -k 10 240 python3 -m pytest -m gpu \
         tests/ops -q -p no:cacheprovider -p no:benchmark -n 4 2>&1 | tee "$OUT/ops_graphs_off.log" | tail -4 ;;
     gen)
       stage "generator"

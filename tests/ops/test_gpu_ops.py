@@ -37,22 +37,33 @@ dtype_ids = lambda d: jnp.dtype(d).name  # noqa: E731
 
 
 @pytest.fixture(
-    params=[(1, "auto"), (2, "narrow"), (2, "wide"), (3, "narrow"), (3, "wide")],
-    ids=lambda k: f"kernel{k[0]}-{k[1]}",
+    params=[
+        (1, "auto", "pool"),
+        (2, "narrow", "pool"),
+        (2, "wide", "pool"),
+        (3, "narrow", "pool"),
+        (3, "wide", "pool"),
+        (2, "narrow", "workspace"),
+        (3, "wide", "workspace"),
+    ],
+    ids=lambda k: f"kernel{k[0]}-{k[1]}" + ("-ws" if k[2] == "workspace" else ""),
 )
 def decode_kernel(request):
-    """Selects CUDA decode kernel 1 or 2 (and kernel 2's CTA shape) for one test and restores
-    the previous selection. Caches are cleared first: an executable recorded as a CUDA graph
-    keeps the kernel it was recorded with."""
+    """Selects CUDA decode kernel 1, 2 or 3 (with kernels 2 and 3's CTA shape and where their
+    split counters live: the pool, or the workspace zeroed per launch) for one test and
+    restores the previous selection. Caches are cleared first: an executable recorded as a
+    CUDA graph keeps the kernel it was recorded with."""
     mod = cuda_module()
-    before = mod.decode_kernel(), mod.decode_v2_ctas()
+    before = mod.decode_kernel(), mod.decode_v2_ctas(), mod.split_counters()
     jax.clear_caches()
-    kernel, shape = request.param
+    kernel, shape, counters = request.param
     mod.set_decode_kernel(kernel)
     mod.set_decode_v2_ctas(shape)
+    mod.set_split_counters(counters)
     yield kernel
     mod.set_decode_kernel(before[0])
     mod.set_decode_v2_ctas(before[1])
+    mod.set_split_counters(before[2])
     jax.clear_caches()
 
 
@@ -180,6 +191,62 @@ def test_decode_large_capacity_few_live(decode_kernel, rng):
     assert_close(out, ref_out, "bfloat16")
     np.testing.assert_array_equal(np.asarray(kc2[:, live], np.float64), ref_kc)
     np.testing.assert_array_equal(np.asarray(kc2[:, 1024:]), np.asarray(kc[:, 1024:]))
+
+
+@pytest.mark.parametrize("kernel", [2, 3], ids=["kernel2", "kernel3"])
+def test_decode_split_counters_stay_zero(rng, kernel):
+    # The pool's counters are zero at every launch only if the last CTA of each split group
+    # resets its word. Two lengths that merge different numbers of splits, alternated over
+    # more calls than the pool has regions of this size: with command buffers off every call
+    # takes the next region and the pool comes round again (kCounterPoolWords / 32 = 8192
+    # calls); with them on, each recorded graph replays its own region. Any word left non-zero
+    # makes a later launch pick the wrong last CTA: its output would differ from the first.
+    mod = cuda_module()
+    before = mod.decode_kernel(), mod.split_counters()
+    jax.clear_caches()
+    mod.set_decode_kernel(kernel)
+    mod.set_split_counters("pool")
+    try:
+        B, Hq, Hkv, D, S = 1, 8, 1, 128, 4096
+        splits, multiple, min_chunk = mod.decode_plan(B, Hq, Hkv, D, 2)
+        assert splits > 2, f"expected a split plan at B*Hkv=1, got {splits} splits"
+        gpu = jax.devices("cuda")[0]
+        q = jax.device_put(randn(rng, (B, Hq, D), jnp.bfloat16), gpu)
+        k, v = (jax.device_put(randn(rng, (B, Hkv, D), jnp.bfloat16), gpu) for _ in range(2))
+        kc, vc = jax.device_put(caches(rng, Layout.SEQ_MAJOR, B, S, Hkv, D, jnp.bfloat16), gpu)
+        chunk = max(min_chunk, multiple)
+        lens = [jax.device_put(jnp.asarray([n], jnp.int32), gpu) for n in (S - 1, 2 * chunk)]
+        args = (q, k, v, kc, vc)  # the same buffers every call: a recorded graph replays
+        step = jax.jit(lambda *a: gqa_decode(*a, layout=Layout.SEQ_MAJOR)[0])
+        first = [np.asarray(step(*args, n)) for n in lens]
+        for i, n in enumerate(lens):
+            ref, _, _ = gqa_decode_ref(q, k, v, kc, vc, np.asarray(n), layout=1)
+            assert_close(first[i], ref, "bfloat16", f"lengths {int(n[0])}")
+        kept = []
+        for i in range(8400):
+            out = step(*args, lens[i % 2])
+            if i % 700 < 2 or i >= 8396:
+                kept.append((i % 2, out))
+        for which, out in kept:
+            np.testing.assert_array_equal(np.asarray(out), first[which])
+    finally:
+        mod.set_decode_kernel(before[0])
+        mod.set_split_counters(before[1])
+        jax.clear_caches()
+
+
+def test_split_counters_setting():
+    mod = cuda_module()
+    before = mod.split_counters()
+    try:
+        with pytest.raises(ValueError, match="where: expected 'pool' or 'workspace'"):
+            mod.set_split_counters("global")
+        mod.set_split_counters("workspace")
+        assert mod.split_counters() == "workspace"
+        mod.set_split_counters("pool")
+        assert mod.split_counters() == "pool"
+    finally:
+        mod.set_split_counters(before)
 
 
 def check_prefill(rng, layout, dtype, Hq, Hkv, D, *, T=70, S=200, **kw):
