@@ -6,8 +6,11 @@ transformers (PyTorch, bf16, static cache); plus committed KV memory against a s
 
     python bench/generate.py --out DIR [--models smollm2-135m,qwen2.5-0.5b] [--batch 1,32]
         [--prompt 128] [--new-tokens 512] [--static-len 4096] [--impls ...]
+    python bench/generate.py --out DIR --report DIR/generate.json
 
-Prints the tables last; writes DIR/generate.json and DIR/generate.png.
+Prints the tables last; writes DIR/generate.json (after every result, so a run cut short keeps
+its rows) and DIR/generate.png. `--report JSON` prints the tables and draws the PNG of a saved
+run without measuring.
 """
 
 from __future__ import annotations
@@ -231,19 +234,33 @@ def memory_rows(config, dtype, max_len: int = 32768) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=pathlib.Path, required=True)
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--batch", default="1,32")
-    ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=512)
-    ap.add_argument("--static-len", type=int, default=4096)
-    ap.add_argument("--impls", default=",".join(IMPLS))
-    args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+def run_meta(args) -> dict:
+    commit = (
+        os.environ.get("JAX_KV_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
+    dev = jax.devices()[0]
+    return dict(
+        device=getattr(dev, "device_kind", str(dev)),
+        jax=jax.__version__,
+        commit=commit,
+        python=platform.python_version(),
+        prompt=args.prompt,
+        new_tokens=args.new_tokens,
+        static_len=args.static_len,
+        dtype="bfloat16",
+        impls=args.impls.split(","),
+    )
+
+
+def measure(args) -> dict:
+    """Runs every (model, batch, impl); DIR/generate.json is rewritten after each result, so a
+    run cut short by a time limit keeps what it measured."""
     impls = args.impls.split(",")
-    rows, mem = [], {}
+    data: dict[str, Any] = dict(meta=run_meta(args), rows=[], memory={})
+    save = lambda: (args.out / "generate.json").write_text(json.dumps(data, indent=2))  # noqa: E731
     for name in args.models.split(","):
         config = jm.preset(name)
         model = jm.random_model(config, seed=0, dtype=jnp.bfloat16)
@@ -255,6 +272,7 @@ def main() -> None:
                 .astype(np.int32)
             )
             row: dict[str, Any] = dict(model=name, batch=B)
+            data["rows"].append(row)
             for impl in impls:
                 t0 = time.perf_counter()
                 try:
@@ -276,34 +294,23 @@ def main() -> None:
                     f"{name} B={B} {impl}: {row[impl]} ({time.perf_counter() - t0:.0f} s)",
                     flush=True,
                 )
-            rows.append(row)
-        mem[name] = memory_rows(config, jnp.bfloat16)
+                save()
+        data["memory"][name] = memory_rows(config, jnp.bfloat16)
+        save()
         model.delete()
+    return data
 
-    commit = (
-        os.environ.get("JAX_KV_COMMIT")
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-    )
-    dev = jax.devices()[0]
-    meta = dict(
-        device=getattr(dev, "device_kind", str(dev)),
-        jax=jax.__version__,
-        commit=commit,
-        python=platform.python_version(),
-        prompt=args.prompt,
-        new_tokens=args.new_tokens,
-        static_len=args.static_len,
-        dtype="bfloat16",
-    )
-    (args.out / "generate.json").write_text(
-        json.dumps(dict(meta=meta, rows=rows, memory=mem), indent=2)
-    )
+
+def report(data: dict, out: pathlib.Path) -> None:
+    """Prints the tok/s and memory tables of a measured (or saved) run; writes out/generate.png.
+    An implementation a row lacks (never run: a time limit) prints as "-", one that failed as
+    "error"."""
+    meta, rows, mem = data["meta"], data["rows"], data["memory"]
+    impls = meta.get("impls") or [k for k in rows[0] if k not in ("model", "batch")]
     print(
-        f"\ndecode tok/s, {meta['device']}, jax {meta['jax']}, bf16 random weights, prompt "
-        f"{args.prompt}, {args.new_tokens} new tokens, greedy, one sync per token; plain-jax "
-        f"cache at {args.static_len} slots"
+        f"\ndecode tok/s, {meta['device']}, jax {meta['jax']}, tree {meta['commit']}, bf16 random "
+        f"weights, prompt {meta['prompt']}, {meta['new_tokens']} new tokens, greedy; plain-jax "
+        f"cache at {meta['static_len']} slots"
     )
     ours = [i for i in impls if i.startswith("jax_kv-")]
     head = (
@@ -311,14 +318,22 @@ def main() -> None:
         f"({', '.join(ours)}) | captures seq/head |"
     )
     print(head + "\n|" + "---|" * (head.count("|") - 1))
+
+    def cell(r: dict, i: str) -> str:
+        if i not in r:
+            return "-"
+        return f"{r[i]['tok_s']:,.0f}" if "tok_s" in r[i] else "error"
+
     for r in rows:
-        cells = [f"{r[i]['tok_s']:,.0f}" if "tok_s" in r.get(i, {}) else "error" for i in impls]
         seq, hm = r.get("jax_kv-seq", {}), r.get("jax_kv-head", {})
         per_step = " / ".join(
-            f"{r.get(i, {}).get('host_overhead_us_per_step', float('nan')):.0f}" for i in ours
+            f"{r[i]['host_overhead_us_per_step']:.0f}"
+            if "host_overhead_us_per_step" in r.get(i, {})
+            else "-"
+            for i in ours
         )
         print(
-            f"| {r['model']} | {r['batch']} | {' | '.join(cells)} | "
+            f"| {r['model']} | {r['batch']} | {' | '.join(cell(r, i) for i in impls)} | "
             f"{seq.get('host_overhead_us', float('nan')):.0f} | {per_step} | {seq.get('captures')}/"
             f"{hm.get('captures')} |"
         )
@@ -346,11 +361,31 @@ def main() -> None:
         ax.set_ylabel("decode tokens/s")
         ax.set_yscale("log")
         ax.legend()
-        ax.set_title(f"decode tok/s, {meta['device']}, bf16")
+        ax.set_title(f"decode tok/s, {meta['device']}, bf16, tree {meta['commit']}")
         fig.tight_layout()
-        fig.savefig(args.out / "generate.png", dpi=120)
+        fig.savefig(out / "generate.png", dpi=120)
     except ImportError:
         print("matplotlib not installed: no PNG")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=pathlib.Path, required=True)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--batch", default="1,32")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=512)
+    ap.add_argument("--static-len", type=int, default=4096)
+    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument(
+        "--report",
+        type=pathlib.Path,
+        help="print the tables and draw the PNG of a saved generate.json; measure nothing",
+    )
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = json.loads(args.report.read_text()) if args.report else measure(args)
+    report(data, args.out)
 
 
 if __name__ == "__main__":
