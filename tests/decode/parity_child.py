@@ -4,7 +4,9 @@ lesson: process-frozen state must not leak between configurations).
     python tests/decode/parity_child.py MODEL LAYOUT MIN_BUCKET NEW_TOKENS [DTYPE [DEVICE]]
 
 MODEL is a tiny random checkpoint name of tests/models/model_ref.py, or "smollm2". Prints one
-JSON line: the Generator's tokens and stats, and transformers' greedy tokens per prompt.
+JSON line: the Generator's tokens and stats, transformers' greedy tokens per prompt, and per
+Generator token its relative logit gap under transformers fed the same sequence
+(hf_logit_gaps).
 """
 
 from __future__ import annotations
@@ -45,6 +47,23 @@ def hf_greedy(ref, hf_model, prompt: list[int], new_tokens: int) -> list[int]:
     return out
 
 
+def hf_logit_gaps(ref, hf_model, prompt: list[int], tokens: list[int]) -> list[float]:
+    """For each of the Generator's tokens, how far below transformers' best logit it sits,
+    relative to that position's largest |logit|, with transformers fed the Generator's own
+    sequence (one forward, teacher-forced). 0 where the two greedy choices agree; a bf16
+    near-tie shows as a small fraction; a wrong cache or a wrong token as a large one."""
+    torch = ref.torch
+    device = next(hf_model.parameters()).device
+    ids = torch.tensor([prompt + tokens[:-1]], device=device)
+    with torch.no_grad(), quiet():
+        logits = hf_model(input_ids=ids).logits[0].float()
+    rows = logits[len(prompt) - 1 :]
+    best = rows.max(dim=-1).values
+    mine = rows[torch.arange(len(tokens), device=device), torch.tensor(tokens, device=device)]
+    scale = rows.abs().max(dim=-1).values.clamp_min(1e-6)
+    return ((best - mine) / scale).tolist()
+
+
 def main() -> None:
     name, layout, min_bucket, new_tokens = (
         sys.argv[1],
@@ -82,6 +101,10 @@ def main() -> None:
     gen = Generator(model, layout=layout, min_bucket=min_bucket)
     result = gen.generate(prompts, new_tokens, stop_tokens=())
     want = [hf_greedy(ref, hf_model, p, new_tokens) for p in prompts]
+    pairs = list(zip(prompts, result.tokens, strict=True))
+    gaps = [hf_logit_gaps(ref, hf_model, p, t) for p, t in pairs]
+    # The negative control: the same tokens in reverse order must sit far below the best logit.
+    control = [hf_logit_gaps(ref, hf_model, p, t[::-1]) for p, t in pairs]
     stats = result.stats.as_dict()
     stats["decisions"] = [d.__dict__ if hasattr(d, "__dict__") else d for d in stats["decisions"]]
     print(
@@ -89,6 +112,8 @@ def main() -> None:
             dict(
                 tokens=result.tokens,
                 want=want,
+                logit_gaps=gaps,
+                control_logit_gaps=control,
                 texts=result.texts,
                 stats=stats,
                 prompt_lengths=[len(p) for p in prompts],
