@@ -39,16 +39,21 @@ from jax_kv.models import llama
 from jax_kv.ops.matvec import xla_matvec
 from jax_kv.ops.xla_attention import xla_gqa_decode, xla_gqa_prefill
 
-# "@k": k decode steps per jitted call (Generator(tokens_per_call=k)); "+kN": CUDA decode kernel N
-# (default: JAX_KV_DECODE_KERNEL, else 3).
+# "@k": k decode steps per jitted call (Generator(tokens_per_call=k)), "@ku" the same unrolled
+# (unroll_tokens=True); "+kN": CUDA decode kernel N (default: JAX_KV_DECODE_KERNEL, else 3).
 IMPLS = ("jax_kv-seq", "jax_kv-head", "jax_kv-seq@8", "plain-jax", "transformers")
 MODELS = ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3-8b")
 
 
 def run_generator(
-    model, prompts: np.ndarray, new_tokens: int, layout: Layout, tokens_per_call: int = 1
+    model,
+    prompts: np.ndarray,
+    new_tokens: int,
+    layout: Layout,
+    tokens_per_call: int = 1,
+    unroll: bool = False,
 ) -> dict:
-    gen = Generator(model, layout=layout, tokens_per_call=tokens_per_call)
+    gen = Generator(model, layout=layout, tokens_per_call=tokens_per_call, unroll_tokens=unroll)
     r = gen.generate(prompts.tolist(), new_tokens, stop_tokens=())
     s = r.stats
     calls = s.host_calls_per_step
@@ -282,7 +287,12 @@ def measure(args) -> dict:
                         layout = Layout.SEQ_MAJOR if kind == "seq" else Layout.HEAD_MAJOR
                         with decode_kernel(int(kernel) if kernel else None):
                             row[impl] = run_generator(
-                                model, prompts, args.new_tokens, layout, int(k or 1)
+                                model,
+                                prompts,
+                                args.new_tokens,
+                                layout,
+                                int(k.removesuffix("u") or 1),
+                                unroll=k.endswith("u"),
                             )
                     elif impl == "plain-jax":
                         row[impl] = run_plain_jax(model, prompts, args.new_tokens, args.static_len)

@@ -130,8 +130,13 @@ def child(args) -> dict:
     n = args.tokens
     extra: dict = {}
     if args.impl.startswith("jax_kv"):
-        k = int(args.impl.partition("@")[2] or 1)
-        gen = Generator(model, layout=Layout.SEQ_MAJOR, tokens_per_call=k)
+        k = args.impl.partition("@")[2]  # "8", or "8u": unrolled
+        gen = Generator(
+            model,
+            layout=Layout.SEQ_MAJOR,
+            tokens_per_call=int(k.removesuffix("u") or 1),
+            unroll_tokens=k.endswith("u"),
+        )
 
         def loop():
             r = gen.generate(prompts.tolist(), n + 1, stop_tokens=())

@@ -127,6 +127,9 @@ class Generator:
         min_bucket: capacity floor and bucket base of the cache.
         arena: a VmmArena or EagerArena (default: VMM on CUDA, eager elsewhere).
         tokens_per_call: decode steps per jitted call when no growth can happen inside it.
+        unroll_tokens: trace those steps straight-line instead of as a loop (lax.scan with
+            unroll): XLA then launches one graph per call instead of one per step, at a compile
+            time that grows with tokens_per_call.
         fuse_projections: rewrite the model's params in place to one q/k/v and one gate/up
             matmul per layer (Model.fuse_projections: same outputs, fewer and larger kernels).
     """
@@ -140,6 +143,7 @@ class Generator:
         min_bucket: int = 256,
         arena: Any = None,
         tokens_per_call: int = 1,
+        unroll_tokens: bool = False,
         fuse_projections: bool = True,
     ) -> None:
         if int(tokens_per_call) < 1:
@@ -152,6 +156,7 @@ class Generator:
         self.min_bucket = int(min_bucket)
         self.arena = arena
         self.tokens_per_call = int(tokens_per_call)
+        self.unroll_tokens = bool(unroll_tokens)
         self._steps: dict[StepKey, Any] = {}
         self._traces = 0
 
@@ -196,7 +201,11 @@ class Generator:
                 return (tokens, caches, lengths, rng), tokens
 
             (tokens, caches, lengths, rng), new = jax.lax.scan(
-                body, (tokens, caches, lengths, rng), None, length=key.num_tokens
+                body,
+                (tokens, caches, lengths, rng),
+                None,
+                length=key.num_tokens,
+                unroll=self.unroll_tokens,
             )
             return new, tokens, caches, lengths, rng
 
