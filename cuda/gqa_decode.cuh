@@ -47,6 +47,22 @@ extern std::atomic<int> g_decode_v2_ctas;
 // each launch (the path calls too large for the pool take). Read on each launch.
 extern std::atomic<bool> g_split_counter_pool;
 
+namespace split_decode {
+constexpr int kCounterPoolWords = 1 << 18;  // words of each kernel module's split-counter pool
+constexpr int kCounterRegionMaxWords = kCounterPoolWords / 64;
+// The offset of n zeroed words in the split-counter pool (g_split_counters) for the launch the
+// caller is about to make, or -1 (pool off, n too large): then the workspace's words, zeroed by
+// a kernel node, serve. Defined in cuda/gqa_decode_v2.cu. No launch has to zero a region: the
+// last CTA of each (b, KV head, head chunk) resets its word. What that saves per decode launch
+// is the zeroing node: 0.8 us of device time and ~2.5 us of cuGraphLaunch host time on the H200
+// (bench/NOTES.md). Each host call takes the next region, so the nodes of one recorded CUDA
+// graph never share words, and a region comes round again only after the whole pool has been
+// handed out (kCounterPoolWords / 32 calls at the least; a region never wraps: a tail too short
+// for it is skipped): launches on one stream run in order, and XLA runs a device's kernels on
+// one compute stream. Exported to Python as _take_counter_region for the region test.
+int TakeCounterRegion(int n);
+}  // namespace split_decode
+
 // Kernel 3 (cuda/gqa_decode_mma.cu): kernel 2's grid with the tile math on tensor cores, for bf16
 // and f16 at head dims 64/80/96/128; other calls run kernel 2. Same workspace as kernel 2.
 template <typename T>

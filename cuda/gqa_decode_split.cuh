@@ -120,9 +120,8 @@ __device__ __forceinline__ void PatchNewRow(const T* k_new, const T* v_new, uint
 
 // Split counters that outlive a launch: one pool per kernel module (each .cu that includes this
 // header has its own), zero when the module loads. Kernels name it directly, so the host never
-// looks a device symbol up. TakeCounterRegion below says how it stays zero.
-constexpr int kCounterPoolWords = 1 << 18;  // 1 MiB per module and device
-static __device__ unsigned g_split_counters[kCounterPoolWords];
+// looks a device symbol up. TakeCounterRegion (cuda/gqa_decode.cuh) says how it stays zero.
+static __device__ unsigned g_split_counters[kCounterPoolWords];  // 1 MiB per module and device
 
 // Ends a CTA once its warps have left (m, l) in sm_m / sm_l and acc in sm_acc
 // ([WARPS][GROUP][HEAD_DIM] f32 at the start of dynamic shared memory, `smem`, which must hold
@@ -239,18 +238,6 @@ inline bool UseWide(int64_t ctas) {
 
 // Zeroes the split counters (a one-CTA kernel node; defined in cuda/gqa_decode_v2.cu).
 void LaunchZeroCounters(unsigned* counters, int n, cudaStream_t stream);
-
-// The offset of n zeroed words in the split-counter pool (g_split_counters) for the launch the
-// caller is about to make, or -1 (pool off, n too large): then the workspace's words, zeroed by
-// a kernel node, serve. Defined in cuda/gqa_decode_v2.cu. No launch has to zero a region: the
-// last CTA of each (b, KV head, head chunk) resets its word. What that saves per decode launch
-// is the zeroing node: 0.8 us of device time and ~2.5 us of cuGraphLaunch host time on the H200
-// (bench/NOTES.md). Each host call takes the next region, so the nodes of one recorded CUDA
-// graph never share words, and a region comes round again only after the whole pool has been
-// handed out (kCounterPoolWords / 32 calls at the least): launches on one stream run in order,
-// and XLA runs a device's kernels on one compute stream.
-constexpr int kCounterRegionMaxWords = kCounterPoolWords / 64;
-int TakeCounterRegion(int n);
 
 // Launches a one-launch split-K decode kernel: `plan.num_splits` clamped to the workspace
 // (partials, then one counter per (b, KV head, head chunk)); when it splits, the counters come

@@ -566,10 +566,18 @@ int split_decode::TakeCounterRegion(int n) {
     return -1;
   }
   const uint64_t words = (static_cast<uint64_t>(n) + 31) / 32 * 32;  // 128-byte regions
-  uint64_t start = g_pool_cursor.fetch_add(words, std::memory_order_relaxed) %
-                   static_cast<uint64_t>(kCounterPoolWords);
-  if (start + words > static_cast<uint64_t>(kCounterPoolWords)) start = 0;
-  return static_cast<int>(start);
+  constexpr uint64_t kPool = kCounterPoolWords;
+  uint64_t cursor = g_pool_cursor.load(std::memory_order_relaxed);
+  for (;;) {
+    uint64_t start = cursor % kPool, next = cursor + words;
+    if (start + words > kPool) {  // the pool's tail is too short: skip it, start over at 0
+      next = cursor + (kPool - start) + words;
+      start = 0;
+    }
+    if (g_pool_cursor.compare_exchange_weak(cursor, next, std::memory_order_relaxed)) {
+      return static_cast<int>(start);
+    }
+  }
 }
 
 GqaDecodePlan GqaDecodeV2Plan(int batch, int num_q_heads, int num_kv_heads, int head_dim,

@@ -194,6 +194,12 @@ NB_MODULE(_ffi_cuda, m) {
       },
       "Where decode kernels 2 and 3 keep their split counters: 'pool' or 'workspace'.");
   m.def(
+      "_take_counter_region", [](int n) { return jax_kv::split_decode::TakeCounterRegion(n); },
+      nb::arg("n"),
+      "Tests only: takes the pool region a decode launch needing n counters would get (its "
+      "word offset), or -1 where that launch would zero workspace counters instead.");
+  m.attr("split_counter_pool_words") = jax_kv::split_decode::kCounterPoolWords;
+  m.def(
       "decode_plan",
       [](int batch, int num_q_heads, int num_kv_heads, int head_dim, int itemsize) {
         if (batch <= 0 || num_q_heads <= 0 || num_kv_heads <= 0 ||

@@ -40,6 +40,12 @@ def set_split_counters(where: str) -> None:
 def split_counters() -> str:
     """Where decode kernels 2 and 3 keep their split counters: "pool" or "workspace"."""
 
+def _take_counter_region(n: int) -> int:
+    """Tests only: the word offset of the pool region a decode launch needing n split counters
+    would get, or -1 where it would zero workspace counters instead."""
+
+split_counter_pool_words: int
+
 def decode_plan(
     batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, itemsize: int
 ) -> tuple[int, int, int]:

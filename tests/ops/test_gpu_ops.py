@@ -235,6 +235,36 @@ def test_decode_split_counters_stay_zero(rng, kernel):
         jax.clear_caches()
 
 
+def test_split_counter_regions_are_disjoint():
+    # Regions handed out in turn never overlap until the pool comes round, never leave the pool,
+    # and a too-large or pool-off call gets -1 (the workspace path). Mixed sizes make regions
+    # meet the pool's end: there the tail is skipped (an earlier version restarted at 0 and
+    # gave two consecutive launches the same words).
+    mod = cuda_module()
+    pool = mod.split_counter_pool_words
+    sizes = [1, 33, pool // 64, 100, 2000, 65, 31, 4000]
+    got = []
+    for i in range(40_000):
+        n = sizes[i % len(sizes)]
+        start, words = mod._take_counter_region(n), -(-n // 32) * 32
+        assert 0 <= start and start + words <= pool and start % 32 == 0, (n, start)
+        got.append((start, words))
+    for i, (a, wa) in enumerate(got):
+        total = 0
+        for b, wb in got[i + 1 :]:
+            total += wb
+            if total > pool // 2:
+                break
+            assert b + wb <= a or a + wa <= b, f"call {i}: [{a}, +{wa}) meets [{b}, +{wb})"
+    assert mod._take_counter_region(pool // 64 + 1) == -1
+    before = mod.split_counters()
+    try:
+        mod.set_split_counters("workspace")
+        assert mod._take_counter_region(1) == -1
+    finally:
+        mod.set_split_counters(before)
+
+
 def test_split_counters_setting():
     mod = cuda_module()
     before = mod.split_counters()
