@@ -265,7 +265,10 @@ def measure(args) -> dict:
     run cut short by a time limit keeps what it measured."""
     impls = args.impls.split(",")
     data: dict[str, Any] = dict(meta=run_meta(args), rows=[], memory={})
-    save = lambda: (args.out / "generate.json").write_text(json.dumps(data, indent=2))  # noqa: E731
+
+    def save() -> None:
+        (args.out / "generate.json").write_text(json.dumps(data, indent=2))
+
     for name in args.models.split(","):
         config = jm.preset(name)
         model = jm.random_model(config, seed=0, dtype=jnp.bfloat16)

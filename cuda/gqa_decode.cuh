@@ -42,7 +42,7 @@ cudaError_t LaunchGqaDecodeV2(const GqaParams<T>& p, cudaStream_t stream);
 enum DecodeV2Ctas : int { kDecodeV2Auto = 0, kDecodeV2Narrow = 1, kDecodeV2Wide = 2 };
 extern std::atomic<int> g_decode_v2_ctas;
 
-// Where kernels 2 and 3 keep their split counters: true (default), a per-device pool the
+// Where kernels 2 and 3 keep their split counters: true (default), a device-memory pool the
 // kernels keep at zero, no zeroing node; false, the workspace, zeroed by a kernel node before
 // each launch (the path calls too large for the pool take). Read on each launch.
 extern std::atomic<bool> g_split_counter_pool;
@@ -54,12 +54,12 @@ constexpr int kCounterRegionMaxWords = kCounterPoolWords / 64;
 // caller is about to make, or -1 (pool off, n too large): then the workspace's words, zeroed by
 // a kernel node, serve. Defined in cuda/gqa_decode_v2.cu. No launch has to zero a region: the
 // last CTA of each (b, KV head, head chunk) resets its word. What that saves per decode launch
-// is the zeroing node: 0.8 us of device time and ~2.5 us of cuGraphLaunch host time on the H200
-// (bench/NOTES.md). Each host call takes the next region, so the nodes of one recorded CUDA
-// graph never share words, and a region comes round again only after the whole pool has been
-// handed out (kCounterPoolWords / 32 calls at the least; a region never wraps: a tail too short
-// for it is skipped): launches on one stream run in order, and XLA runs a device's kernels on
-// one compute stream. Exported to Python as _take_counter_region for the region test.
+// is the zeroing node: 0.8 us of device time and one graph node (H200, bench/NOTES.md). Each host
+// call takes the next region, so the nodes of one recorded CUDA graph never share words, and a
+// region comes round again only after the whole pool has been handed out (kCounterPoolWords / 32
+// calls at the least; a region never wraps: a tail too short for it is skipped): launches on one
+// stream run in order, and XLA runs a device's kernels on one compute stream. Exported to Python as
+// _take_counter_region for the region test.
 int TakeCounterRegion(int n);
 }  // namespace split_decode
 

@@ -118,6 +118,16 @@ __device__ __forceinline__ void PatchNewRow(const T* k_new, const T* v_new, uint
   __syncwarp();
 }
 
+// The workspace's counter words, one per (b, KV head, head chunk), after the partials (acc, then
+// (m, l), of every split): where the launcher zeroes them and the kernel counts when the pool
+// does not serve.
+template <typename T>
+__host__ __device__ __forceinline__ unsigned* WorkspaceCounters(const GqaParams<T>& p,
+                                                                int num_splits) {
+  return reinterpret_cast<unsigned*>(p.workspace + static_cast<int64_t>(p.batch) * p.num_q_heads *
+                                                       num_splits * (p.head_dim + 2));
+}
+
 // Split counters that outlive a launch: one pool per kernel module (each .cu that includes this
 // header has its own), zero when the module loads. Kernels name it directly, so the host never
 // looks a device symbol up. TakeCounterRegion (cuda/gqa_decode.cuh) says how it stays zero.
@@ -150,11 +160,8 @@ __device__ __forceinline__ void EndDecodeCta(const GqaParams<T>& p, const Decode
   if (store_splits == 1) return;
   const int64_t bh0 = static_cast<int64_t>(c.b) * p.num_q_heads + c.qh0;
   const int64_t ml_base = static_cast<int64_t>(p.batch) * p.num_q_heads * num_splits * HEAD_DIM;
-  unsigned* counters = counter_region >= 0
-                           ? g_split_counters + counter_region
-                           : reinterpret_cast<unsigned*>(p.workspace + ml_base +
-                                                         static_cast<int64_t>(p.batch) *
-                                                             p.num_q_heads * num_splits * 2);
+  unsigned* counters =
+      counter_region >= 0 ? g_split_counters + counter_region : WorkspaceCounters(p, num_splits);
   unsigned* counter = counters + (static_cast<int64_t>(c.b) * gridDim.y + blockIdx.y);
   __threadfence();
   __syncthreads();
@@ -261,8 +268,7 @@ cudaError_t LaunchSplitDecode(const GqaParams<T>& p, int chunks, int threads, in
   if (splits > 1) {
     counter_region = TakeCounterRegion(static_cast<int>(ctas));
     if (counter_region < 0) {
-      LaunchZeroCounters(reinterpret_cast<unsigned*>(p.workspace + per_split * splits),
-                         static_cast<int>(ctas), stream);
+      LaunchZeroCounters(WorkspaceCounters(p, splits), static_cast<int>(ctas), stream);
     }
   }
   const dim3 grid(splits, p.num_kv_heads * chunks, p.batch);
