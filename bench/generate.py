@@ -257,6 +257,8 @@ def run_meta(args) -> dict:
         static_len=args.static_len,
         dtype="bfloat16",
         impls=args.impls.split(","),
+        # Command-buffer settings change what a call launches: a run names the ones it ran under.
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
     )
 
 
@@ -324,6 +326,7 @@ def report(data: dict, out: pathlib.Path) -> None:
         f"\ndecode tok/s, {meta['device']}, jax {meta['jax']}, tree {meta['commit']}, bf16 random "
         f"weights, prompt {meta['prompt']}, {meta['new_tokens']} new tokens, greedy; plain-jax "
         f"cache at {meta['static_len']} slots"
+        + (f"; XLA_FLAGS={meta['xla_flags']}" if meta.get("xla_flags") else "")
     )
     ours = [i for i in impls if i.startswith("jax_kv-")]
     head = (

@@ -7,7 +7,7 @@ The model is a tiny random Llama checkpoint written by transformers: SmolLM2's 9
 cannot travel to the device machine (64 MiB limit, no network there)."""
 
 import pytest
-from test_generator_parity import assert_bf16_parity, run_child
+from test_generator_parity import BF16_GAP, assert_bf16_parity, run_child, worst_gap
 
 MODEL, MIN_BUCKET = "llama-untied-llama3", 16
 
@@ -75,5 +75,8 @@ def test_bf16_layouts_agree(runs, capsys):
     with capsys.disabled():
         print(
             f"\nbf16 Generator vs transformers bf16, first differing token per row: "
-            f"{first_diff(seq['tokens'], seq['want'])} of {len(seq['want'][0])}"
+            f"{first_diff(seq['tokens'], seq['want'])} of {len(seq['want'][0])}; largest logit "
+            f"gap (bound {BF16_GAP}) seq {worst_gap(seq, 'logit_gaps'):.4f} head "
+            f"{worst_gap(head, 'logit_gaps'):.4f}, reversed control "
+            f"{worst_gap(seq, 'control_logit_gaps'):.3f}"
         )
