@@ -129,7 +129,8 @@ class Generator:
         tokens_per_call: decode steps per jitted call when no growth can happen inside it.
         unroll_tokens: trace those steps straight-line instead of as a loop (lax.scan with
             unroll): XLA then launches one graph per call instead of one per step, at a compile
-            time that grows with tokens_per_call.
+            time that grows with tokens_per_call. Slower on the H200 (bench/NOTES.md: the
+            launch cost of a graph grows with its nodes); kept for the comparison.
         fuse_projections: rewrite the model's params in place to one q/k/v and one gate/up
             matmul per layer (Model.fuse_projections: same outputs, fewer and larger kernels).
     """
