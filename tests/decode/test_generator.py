@@ -4,7 +4,8 @@ tokens end a row, sampling is reproducible, counters add up, bad arguments are r
 import pytest
 
 import jax_kv.models as jm
-from jax_kv.decode import Generator, Sampling
+from jax_kv.cache import GrowthEvent
+from jax_kv.decode import GenerationStats, Generator, Sampling
 from jax_kv.models import llama
 
 
@@ -131,3 +132,49 @@ def test_bad_generator_arguments(model):
         Generator(model, tokens_per_call=0)
     with pytest.raises(ValueError, match="layout: expected a jax_kv.Layout"):
         Generator(model, layout="diagonal")
+
+
+class _Cache:
+    """The two things `_decide` reads of a KvCache after an event."""
+
+    def __init__(self, capacity: int, pointers: list[int]):
+        self.array_capacity, self._pointers = capacity, pointers
+
+    def pointers(self) -> list[int]:
+        return self._pointers
+
+
+def _event(keeps: bool, moved: int) -> GrowthEvent:
+    return GrowthEvent(
+        old_capacity=16,
+        new_capacity=32,
+        bytes_moved=moved,
+        granules_committed=1,
+        shape_changed=False,
+        pointer_changed=False,
+        keeps_compiled_step=keeps,
+        reason="committed granules",
+    )
+
+
+@pytest.mark.parametrize(
+    "keeps, moved, after, kept",
+    [
+        (True, 0, (64, [1, 2]), True),  # an honest VMM commit: kept
+        (True, 4096, (64, [1, 2]), False),  # claims a keep but moved bytes
+        (True, 0, (64, [1, 3]), False),  # claims a keep but a pointer moved
+        (True, 0, (128, [1, 2]), False),  # claims a keep but the array grew
+        (False, 0, (64, [1, 2]), False),
+    ],
+    ids=["honest", "moved-bytes", "moved-pointer", "new-shape", "declined"],
+)
+def test_a_step_is_never_kept_across_a_move(model, keeps, moved, after, kept):
+    """The negative test: whatever an event claims, the compiled step is invalidated when the
+    growth moved bytes or changed what the step bakes in (shape, pointers)."""
+    stats = GenerationStats()
+    Generator(model)._decide(_event(keeps, moved), (64, [1, 2]), _Cache(*after), 7, stats)
+    (d,) = stats.decisions
+    assert (d.kept, stats.invalidations) == (kept, int(not kept))
+    assert d.token_index == 7 and d.bytes_moved == moved
+    if keeps and not kept:
+        assert "invalidated" in d.reason
