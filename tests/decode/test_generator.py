@@ -1,5 +1,6 @@
 """Generator on CPU, in process: several tokens per call equal one token per call, stop
-tokens end a row, sampling is reproducible, counters add up, bad arguments are refused."""
+tokens end a row, sampling is reproducible, counters add up, a step is never kept across a
+move, bad arguments are refused."""
 
 import pytest
 
