@@ -8,7 +8,7 @@ the common path (kernel 2: less the rarely taken block that patches the new toke
 shared memory, STS.128), the opcode classes, and per K/V row (iteration rows given by
 --rows-per-iter, kernel 1 bf16 D=128: 8, kernel 2: 8).
 
-    cuobjdump --dump-sass build/CMakeFiles/_ffi_cuda.dir/cuda/gqa_decode_v2.cu.o > v2.sass
+    cuobjdump --dump-sass build/CMakeFiles/_ffi_cuda.dir/cuda/gqa_decode_v2_bf16.cu.o > v2.sass
     python bench/sass_loop.py v2.sass --match "GqaDecodeV2Kernel<__nv_bfloat16, 128"
 """
 

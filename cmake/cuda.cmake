@@ -18,6 +18,8 @@ nanobind_add_module(_ffi_cuda NB_STATIC
   cuda/device_info.cu
   cuda/gqa_decode.cu
   cuda/gqa_decode_v2.cu
+  cuda/gqa_decode_v2_bf16.cu
+  cuda/gqa_decode_v2_f16.cu
   cuda/gqa_decode_mma.cu
   cuda/gqa_prefill.cu
   cuda/gqa_prefill_wgmma.cu

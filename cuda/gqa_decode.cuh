@@ -30,13 +30,13 @@ struct GqaDecodePlan {
   int num_splits, chunk_multiple, min_chunk;
 };
 
-// Kernel 2 (cuda/gqa_decode_v2.cu): same contract as LaunchGqaDecode, one launch (cp.async
+// Kernel 2 (cuda/gqa_decode_v2.cuh): same contract as LaunchGqaDecode, one launch (cp.async
 // pipelines, last-CTA split combine); its split counters come from a pool the kernel keeps at
 // zero (or from the workspace, zeroed by a one-CTA kernel: g_split_counter_pool).
 template <typename T>
 cudaError_t LaunchGqaDecodeV2(const GqaParams<T>& p, cudaStream_t stream);
 
-// Kernel 2's CTA shape (cuda/gqa_decode_v2.cu): auto picks wide CTAs where the grid has fewer
+// Kernel 2's CTA shape (cuda/gqa_decode_v2.cuh): auto picks wide CTAs where the grid has fewer
 // (b, KV head, head chunk) CTAs than the device has SMs, narrow ones otherwise; the other two
 // force a shape (tests and benches). Read by the launcher and GqaDecodeV2Plan on each call.
 enum DecodeV2Ctas : int { kDecodeV2Auto = 0, kDecodeV2Narrow = 1, kDecodeV2Wide = 2 };

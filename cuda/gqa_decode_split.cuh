@@ -1,4 +1,4 @@
-// What the one-launch split-K decode kernels share (kernel 2, cuda/gqa_decode_v2.cu: CUDA-core
+// What the one-launch split-K decode kernels share (kernel 2, cuda/gqa_decode_v2.cuh: CUDA-core
 // math; kernel 3, cuda/gqa_decode_mma.cu: tensor-core math): the split plan computed on the
 // device from lengths, the CTA's start (status, NaN rows for a bad length, the fused append),
 // its end (the warps' partials merged, the split stored, the last CTA of each (b, KV head, head
@@ -128,10 +128,11 @@ __host__ __device__ __forceinline__ unsigned* WorkspaceCounters(const GqaParams<
                                                        num_splits * (p.head_dim + 2));
 }
 
-// Split counters that outlive a launch: one pool per kernel module (each .cu that includes this
-// header has its own), zero when the module loads. Kernels name it directly, so the host never
+// Split counters that outlive a launch: one pool per translation unit (each .cu that includes
+// this header has its own: kernel 3's, and kernel 2's f32, bf16 and f16), zero when the module
+// loads. Kernels name it directly, so the host never
 // looks a device symbol up. TakeCounterRegion (cuda/gqa_decode.cuh) says how it stays zero.
-static __device__ unsigned g_split_counters[kCounterPoolWords];  // 1 MiB per module and device
+static __device__ unsigned g_split_counters[kCounterPoolWords];  // 1 MiB per unit and device
 
 // Ends a CTA once its warps have left (m, l) in sm_m / sm_l and acc in sm_acc
 // ([WARPS][GROUP][HEAD_DIM] f32 at the start of dynamic shared memory, `smem`, which must hold
