@@ -48,7 +48,7 @@ extern std::atomic<int> g_decode_v2_ctas;
 extern std::atomic<bool> g_split_counter_pool;
 
 namespace split_decode {
-constexpr int kCounterPoolWords = 1 << 18;  // words of each kernel module's split-counter pool
+constexpr int kCounterPoolWords = 1 << 18;  // words of each unit's split-counter pool
 constexpr int kCounterRegionMaxWords = kCounterPoolWords / 64;
 // The offset of n zeroed words in the split-counter pool (g_split_counters) for the launch the
 // caller is about to make, or -1 (pool off, n too large): then the workspace's words, zeroed by
