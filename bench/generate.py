@@ -45,15 +45,18 @@ IMPLS = ("jax_kv-seq", "jax_kv-head", "jax_kv-seq@8", "plain-jax", "transformers
 MODELS = ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3-8b")
 
 
+def call_options(per_call: str) -> dict:
+    """Generator keywords of an impl's "@..." part: "" -> one token per call, "8" -> 8, "8u" ->
+    8 unrolled."""
+    return dict(
+        tokens_per_call=int(per_call.removesuffix("u") or 1), unroll_tokens=per_call.endswith("u")
+    )
+
+
 def run_generator(
-    model,
-    prompts: np.ndarray,
-    new_tokens: int,
-    layout: Layout,
-    tokens_per_call: int = 1,
-    unroll: bool = False,
+    model, prompts: np.ndarray, new_tokens: int, layout: Layout, per_call: str = ""
 ) -> dict:
-    gen = Generator(model, layout=layout, tokens_per_call=tokens_per_call, unroll_tokens=unroll)
+    gen = Generator(model, layout=layout, **call_options(per_call))
     r = gen.generate(prompts.tolist(), new_tokens, stop_tokens=())
     s = r.stats
     calls = s.host_calls_per_step
@@ -291,14 +294,7 @@ def measure(args) -> dict:
                         kind, _, k = spec.partition("@")
                         layout = Layout.SEQ_MAJOR if kind == "seq" else Layout.HEAD_MAJOR
                         with decode_kernel(int(kernel) if kernel else None):
-                            row[impl] = run_generator(
-                                model,
-                                prompts,
-                                args.new_tokens,
-                                layout,
-                                int(k.removesuffix("u") or 1),
-                                unroll=k.endswith("u"),
-                            )
+                            row[impl] = run_generator(model, prompts, args.new_tokens, layout, k)
                     elif impl == "plain-jax":
                         row[impl] = run_plain_jax(model, prompts, args.new_tokens, args.static_len)
                     elif impl == "transformers":

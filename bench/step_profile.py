@@ -117,7 +117,7 @@ def child(args) -> dict:
     from jax_kv.layout import Layout
 
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
-    from generate import plain_jax_loop
+    from generate import call_options, plain_jax_loop
 
     config = jm.preset(args.model)
     model = jm.random_model(config, seed=0, dtype=jnp.bfloat16)
@@ -130,13 +130,8 @@ def child(args) -> dict:
     n = args.tokens
     extra: dict = {}
     if args.impl.startswith("jax_kv"):
-        k = args.impl.partition("@")[2]  # "8", or "8u": unrolled
-        gen = Generator(
-            model,
-            layout=Layout.SEQ_MAJOR,
-            tokens_per_call=int(k.removesuffix("u") or 1),
-            unroll_tokens=k.endswith("u"),
-        )
+        per_call = args.impl.partition("@")[2]
+        gen = Generator(model, layout=Layout.SEQ_MAJOR, **call_options(per_call))
 
         def loop():
             r = gen.generate(prompts.tolist(), n + 1, stop_tokens=())

@@ -130,8 +130,8 @@ __host__ __device__ __forceinline__ unsigned* WorkspaceCounters(const GqaParams<
 
 // Split counters that outlive a launch: one pool per translation unit (each .cu that includes
 // this header has its own: kernel 3's, and kernel 2's f32, bf16 and f16), zero when the module
-// loads. Kernels name it directly, so the host never
-// looks a device symbol up. TakeCounterRegion (cuda/gqa_decode.cuh) says how it stays zero.
+// loads. Kernels name it directly, so the host never looks a device symbol up.
+// TakeCounterRegion (cuda/gqa_decode.cuh) says how it stays zero.
 static __device__ unsigned g_split_counters[kCounterPoolWords];  // 1 MiB per unit and device
 
 // Ends a CTA once its warps have left (m, l) in sm_m / sm_l and acc in sm_acc
