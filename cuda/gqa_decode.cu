@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(kThreads,
   const int ng = min(GROUP, group - g0);
   const int qh0 = hkv * group + g0;
   const int L = p.lengths[b];
-  const bool bad = DecodeLengthBad(L, p.capacity);
+  const bool bad = DecodeLengthBad(L, writable_capacity(p, b));
   if (split == 0 && blockIdx.y == 0 && tid == 0) {
     // Every b has exactly one such CTA, so status needs no memset.
     p.status[b] = bad ? JKV_STATUS_LENGTH_OUT_OF_RANGE : JKV_STATUS_OK;
@@ -306,7 +306,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + qh;
   T* out = p.out + bh * D;
   const int L = p.lengths[b];
-  if (DecodeLengthBad(L, p.capacity)) {
+  if (DecodeLengthBad(L, writable_capacity(p, b))) {
     for (int d = tid; d < D; d += kCombineThreads) out[d] = from_f32<T>(__int_as_float(0x7fc00000));
     return;
   }

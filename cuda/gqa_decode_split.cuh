@@ -73,7 +73,7 @@ __device__ __forceinline__ bool BeginDecodeCta(const GqaParams<T>& p, int num_sp
   c.ng = min(GROUP, group - g0);
   c.qh0 = c.hkv * group + g0;
   c.L = p.lengths[c.b];
-  const bool bad = c.L < 0 || c.L >= p.capacity;
+  const bool bad = c.L < 0 || c.L >= writable_capacity(p, c.b);
   if (c.split == 0 && blockIdx.y == 0 && tid == 0) {
     p.status[c.b] = bad ? JKV_STATUS_LENGTH_OUT_OF_RANGE : JKV_STATUS_OK;
   }

@@ -35,6 +35,7 @@ struct GqaParams {
   T* out;                      // [B, T, Hq, D]; rows t >= new_lengths[b] are zero
   const int32_t* lengths;      // [B], tokens cached before this call
   const int32_t* new_lengths;  // [B] tokens of this call to write, or nullptr (= T)
+  const int32_t* committed;    // [B] positions backed by committed memory, or nullptr (= S)
   int32_t* status;             // [B], 0 = ok, else a JKV_STATUS_* code
   float* workspace;            // split-K partials; may be nullptr when unused
   int64_t workspace_floats;    // size of workspace
@@ -50,10 +51,21 @@ struct GqaParams {
   int32_t window;              // 0 = off, else attend to the last `window` positions
 };
 
+// The positions of sequence b a kernel may write: the array's S, or less where the cache's
+// memory is committed only up to committed[b] (a VMM view reserved at max_len whose tail is a
+// read-only zero granule: a write there is an illegal address, so it must never happen).
+template <typename T>
+JKV_HOST_DEVICE int32_t writable_capacity(const GqaParams<T>& p, int64_t b) {
+  if (p.committed == nullptr) return p.capacity;
+  const int32_t c = p.committed[b];
+  return c < p.capacity ? c : p.capacity;
+}
+
 // Status codes a kernel latches into `status[b]` instead of touching memory past S.
 enum : int32_t {
   JKV_STATUS_OK = 0,
-  JKV_STATUS_LENGTH_OUT_OF_RANGE = 1,      // lengths[b] < 0 or lengths[b] + new tokens > S
+  JKV_STATUS_LENGTH_OUT_OF_RANGE = 1,      // lengths[b] < 0 or lengths[b] + new tokens >
+                                           // min(S, committed[b])
   JKV_STATUS_NEW_LENGTH_OUT_OF_RANGE = 2,  // new_lengths[b] < 0 or > T
 };
 

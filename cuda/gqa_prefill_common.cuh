@@ -30,7 +30,7 @@ template <typename T, int HEAD_DIM>
 __device__ __forceinline__ int2 PrefillPrologue(const GqaParams<T>& p, int b, int qh, int t0,
                                                 int t_end, bool status_writer, int L, int n_new) {
   const int T_ = p.num_tokens;
-  const int code = PrefillStatus(L, n_new, T_, p.capacity);
+  const int code = PrefillStatus(L, n_new, T_, writable_capacity(p, b));
   if (status_writer && threadIdx.x == 0) p.status[b] = code;
   constexpr int V = VecOf<T>::kElems, NV = HEAD_DIM / V;
   auto out_row = [&](int t) {

@@ -78,7 +78,7 @@ template <typename Elem>
 ffi::Error FillGqaParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                          ffi::Buffer<ffi::S32> lengths, const int32_t* new_lengths,
-                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> status,
+                         ffi::Buffer<ffi::S32> committed, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> status,
                          ffi::Result<ffi::Buffer<ffi::F32>> workspace, int32_t layout, float scale,
                          float softcap, int32_t window, bool has_token_axis, GqaParams<Elem>* p) {
   auto geo = CacheGeometryOf("k_cache", k_cache.dimensions(), layout);
@@ -138,6 +138,9 @@ ffi::Error FillGqaParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   if (lengths.element_count() != static_cast<size_t>(B)) {
     return InvalidArgument("lengths: expected int32 [B=" + std::to_string(B) + "]");
   }
+  if (committed.element_count() != static_cast<size_t>(B)) {
+    return InvalidArgument("committed: expected int32 [B=" + std::to_string(B) + "]");
+  }
   if (window < 0) return InvalidArgument("window: expected > 0 (or 0 for none)");
   if (!(softcap >= 0.0f)) return InvalidArgument("softcap: expected > 0 (or 0 for none)");
   if (g.capacity > INT32_MAX || num_tokens > INT32_MAX) {
@@ -152,6 +155,7 @@ ffi::Error FillGqaParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   p->out = reinterpret_cast<Elem*>(out->untyped_data());
   p->lengths = lengths.typed_data();
   p->new_lengths = new_lengths;
+  p->committed = committed.typed_data();
   p->status = status->typed_data();
   p->workspace = workspace->element_count() ? workspace->typed_data() : nullptr;
   p->workspace_floats = static_cast<int64_t>(workspace->element_count());
@@ -230,10 +234,13 @@ inline ffi::Error FillGrowParams(ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> len
       .Attr<float>("scale")                                               \
       .Attr<float>("softcap")                                             \
       .Attr<int32_t>("window")
-#define JKV_GQA_DECODE_BINDING(ctx) JKV_GQA_ARGS(ctx) JKV_GQA_RETS_ATTRS
-#define JKV_GQA_PREFILL_BINDING(ctx) \
-  JKV_GQA_ARGS(ctx)                  \
-      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* new_lengths [B] */ JKV_GQA_RETS_ATTRS
+#define JKV_GQA_COMMITTED_ARG \
+  .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* committed [B] */
+#define JKV_GQA_DECODE_BINDING(ctx) JKV_GQA_ARGS(ctx) JKV_GQA_COMMITTED_ARG JKV_GQA_RETS_ATTRS
+#define JKV_GQA_PREFILL_BINDING(ctx)                                                    \
+  JKV_GQA_ARGS(ctx)                                                                     \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* new_lengths [B] */ JKV_GQA_COMMITTED_ARG \
+          JKV_GQA_RETS_ATTRS
 #define JKV_GROW_BINDING(ctx)                                         \
   ::xla::ffi::Ffi::Bind()                                             \
       ctx.Arg<::xla::ffi::AnyBuffer>()                /* cache */     \

@@ -15,12 +15,12 @@ template <typename T>
 static ffi::Error GqaPrefillImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                                  ffi::AnyBuffer v, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                                  ffi::Buffer<ffi::S32> lengths, const int32_t* new_lengths,
-                                 ffi::Result<ffi::AnyBuffer> out,
+                                 ffi::Buffer<ffi::S32> committed, ffi::Result<ffi::AnyBuffer> out,
                                  ffi::Result<ffi::Buffer<ffi::S32>> status,
                                  ffi::Result<ffi::Buffer<ffi::F32>> workspace, int32_t layout,
                                  float scale, float softcap, int32_t window) {
   GqaParams<T> p;
-  ffi::Error err = FillGqaParams<T>(q, k, v, k_cache, v_cache, lengths, new_lengths, out, status,
+  ffi::Error err = FillGqaParams<T>(q, k, v, k_cache, v_cache, lengths, new_lengths, committed, out, status,
                                     workspace, layout, scale, softcap, window,
                                     /*has_token_axis=*/true, &p);
   if (err.failure()) return err;
@@ -35,7 +35,8 @@ static ffi::Error GqaPrefillImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
 static ffi::Error GqaPrefillDispatch(
     cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
     ffi::AnyBuffer /*k_cache*/, ffi::AnyBuffer /*v_cache*/, ffi::Buffer<ffi::S32> lengths,
-    ffi::Buffer<ffi::S32> new_lengths, ffi::Result<ffi::AnyBuffer> out,
+    ffi::Buffer<ffi::S32> new_lengths, ffi::Buffer<ffi::S32> committed,
+    ffi::Result<ffi::AnyBuffer> out,
     ffi::Result<ffi::AnyBuffer> k_cache, ffi::Result<ffi::AnyBuffer> v_cache,
     ffi::Result<ffi::Buffer<ffi::S32>> status, ffi::Result<ffi::Buffer<ffi::F32>> workspace,
     int32_t layout, float scale, float softcap, int32_t window) {
@@ -44,7 +45,7 @@ static ffi::Error GqaPrefillDispatch(
     return InvalidArgument("new_lengths: expected int32 [B], the shape of lengths");
   }
   JKV_DISPATCH_DTYPE(q.element_type(), GqaPrefillImpl, stream, q, k, v, *k_cache, *v_cache, lengths,
-                     new_lengths.typed_data(), out, status, workspace, layout, scale, softcap,
+                     new_lengths.typed_data(), committed, out, status, workspace, layout, scale, softcap,
                      window);
 }
 

@@ -16,26 +16,17 @@
 
 namespace jax_kv {
 
-// Host-side range check: the CPU handler may read lengths, so a bad value is an error before
-// any byte is written (the CUDA kernels latch a status instead).
+// The status of sequence b, as the CUDA kernels compute it. The CPU handler latches it like
+// they do (row NaN, that row's cache untouched, the call succeeds) rather than failing the
+// call: a failed call under jit with donation would delete the caller's cache, valid rows
+// included.
 template <typename T>
-xla::ffi::Error CheckLengthsCpu(const GqaParams<T>& p) {
-  for (int b = 0; b < p.batch; ++b) {
-    const int64_t n = p.new_lengths ? p.new_lengths[b] : p.num_tokens;
-    const int64_t L = p.lengths[b];
-    if (n < 0 || n > p.num_tokens) {
-      return xla::ffi::Error::InvalidArgument(
-          "new_lengths[" + std::to_string(b) + "]=" + std::to_string(n) +
-          ": expected 0 <= new_lengths[b] <= T=" + std::to_string(p.num_tokens));
-    }
-    if (L < 0 || L + n > p.capacity) {
-      return xla::ffi::Error::InvalidArgument(
-          "lengths[" + std::to_string(b) + "]=" + std::to_string(L) +
-          ": expected 0 <= lengths[b] and lengths[b] + new tokens (" + std::to_string(n) +
-          ") <= capacity S=" + std::to_string(p.capacity));
-    }
-  }
-  return xla::ffi::Error::Success();
+int32_t RowStatusCpu(const GqaParams<T>& p, int64_t b) {
+  const int64_t n = p.new_lengths ? p.new_lengths[b] : p.num_tokens;
+  const int64_t L = p.lengths[b];
+  if (n < 0 || n > p.num_tokens) return JKV_STATUS_NEW_LENGTH_OUT_OF_RANGE;
+  if (L < 0 || L + n > writable_capacity(p, b)) return JKV_STATUS_LENGTH_OUT_OF_RANGE;
+  return JKV_STATUS_OK;
 }
 
 template <typename T>
@@ -43,8 +34,10 @@ void RunGqaReferenceCpu(const GqaParams<T>& p) {
   const int64_t D = p.head_dim, T_ = p.num_tokens, Hq = p.num_q_heads, Hkv = p.num_kv_heads;
   const int64_t group = Hq / Hkv;
   auto new_tokens = [&](int64_t b) -> int64_t { return p.new_lengths ? p.new_lengths[b] : T_; };
+  for (int64_t b = 0; b < p.batch; ++b) p.status[b] = RowStatusCpu(p, b);
   // 1. Append: the new tokens' K/V go to positions lengths[b] + t, t < new_lengths[b].
   for (int64_t b = 0; b < p.batch; ++b) {
+    if (p.status[b] != JKV_STATUS_OK) continue;
     for (int64_t t = 0; t < new_tokens(b); ++t) {
       for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t src = ((b * T_ + t) * Hkv + h) * D;
@@ -56,9 +49,20 @@ void RunGqaReferenceCpu(const GqaParams<T>& p) {
   }
   // 2. Attend: one work item per (b, kv head); its `group` query heads read the stripe.
   int64_t work = 0;  // multiply-adds: 2 per (query row, position, dim)
-  for (int64_t b = 0; b < p.batch; ++b) work += 2 * T_ * (p.lengths[b] + T_) * Hq * D;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    if (p.status[b] == JKV_STATUS_OK) work += 2 * T_ * (p.lengths[b] + T_) * Hq * D;
+  }
   ParallelFor(p.batch * Hkv, work, [&](int64_t item) {
     const int64_t b = item / Hkv, h = item % Hkv;
+    if (p.status[b] != JKV_STATUS_OK) {
+      for (int64_t t = 0; t < T_; ++t) {
+        for (int64_t g = 0; g < group; ++g) {
+          T* out = p.out + ((b * T_ + t) * Hq + h * group + g) * D;
+          for (int64_t d = 0; d < D; ++d) out[d] = from_float<T>(NAN);
+        }
+      }
+      return;
+    }
     const int64_t L = p.lengths[b], n = new_tokens(b);
     std::vector<float> qf(D), acc(D), scores(static_cast<size_t>(L + T_));
     for (int64_t t = 0; t < T_; ++t) {
@@ -95,7 +99,6 @@ void RunGqaReferenceCpu(const GqaParams<T>& p) {
       }
     }
   });
-  for (int64_t b = 0; b < p.batch; ++b) p.status[b] = JKV_STATUS_OK;
 }
 
 }  // namespace jax_kv
@@ -107,6 +110,7 @@ template <typename T>
 xla::ffi::Error GqaCpuImpl(xla::ffi::AnyBuffer q, xla::ffi::AnyBuffer k, xla::ffi::AnyBuffer v,
                            xla::ffi::AnyBuffer k_cache, xla::ffi::AnyBuffer v_cache,
                            xla::ffi::Buffer<xla::ffi::S32> lengths, const int32_t* new_lengths,
+                           xla::ffi::Buffer<xla::ffi::S32> committed,
                            xla::ffi::Result<xla::ffi::AnyBuffer> out,
                            xla::ffi::Result<xla::ffi::Buffer<xla::ffi::S32>> status,
                            xla::ffi::Result<xla::ffi::Buffer<xla::ffi::F32>> workspace,
@@ -114,10 +118,8 @@ xla::ffi::Error GqaCpuImpl(xla::ffi::AnyBuffer q, xla::ffi::AnyBuffer k, xla::ff
                            bool has_token_axis) {
   GqaParams<T> p;
   xla::ffi::Error err =
-      FillGqaParams<T>(q, k, v, k_cache, v_cache, lengths, new_lengths, out, status, workspace,
-                       layout, scale, softcap, window, has_token_axis, &p);
-  if (err.failure()) return err;
-  err = CheckLengthsCpu(p);
+      FillGqaParams<T>(q, k, v, k_cache, v_cache, lengths, new_lengths, committed, out, status,
+                       workspace, layout, scale, softcap, window, has_token_axis, &p);
   if (err.failure()) return err;
   RunGqaReferenceCpu(p);
   return xla::ffi::Error::Success();

@@ -132,11 +132,20 @@ def resolve_capacity(
     return CapacityPlan(None, source, tokens)
 
 
+def _module_exists(name: str) -> bool:
+    """find_spec of a dotted name imports its parents and raises when a parent is missing
+    (`cuda` absent: ModuleNotFoundError); a CPU-only install must read that as False."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False
+
+
 def _default_arena() -> Any:
     choice = runtime_config().arena
     if choice == "eager":
         return EagerArena()
-    has_cuda = importlib.util.find_spec("cuda.bindings") is not None
+    has_cuda = _module_exists("cuda.bindings")
     if choice == "vmm" or (choice == "auto" and has_cuda and jax.default_backend() == "gpu"):
         return VmmArena()
     return EagerArena()

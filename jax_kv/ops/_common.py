@@ -43,6 +43,26 @@ def check_lengths(name: str, lengths: Any, batch: int) -> np.ndarray | None:
     return np.asarray(lengths)
 
 
+def committed_or_capacity(committed: Any, batch: int, capacity: int) -> tuple[Any, np.ndarray]:
+    """The committed [B] argument of gqa_decode / gqa_prefill: the positions of each sequence
+    whose memory is committed (a VMM view reserved at max_len is committed only up to its
+    live prefix; the tail reads as zeros and must never be written). None means all S.
+
+    Returns (the int32 [B] array to pass, the bound per row as far as known at trace time:
+    S where the values are traced).
+    """
+    if committed is None:
+        return jnp.full((batch,), capacity, jnp.int32), np.full((batch,), capacity)
+    known = check_lengths("committed", committed, batch)
+    if known is None:
+        return committed, np.full((batch,), capacity)
+    bad = [(b, int(c)) for b, c in enumerate(known) if c < 0]
+    if bad:
+        b, c = bad[0]
+        raise ValueError(f"committed: expected >= 0 tokens per sequence, got committed[{b}]={c}")
+    return committed, np.minimum(known, capacity)
+
+
 def attention_attrs(
     layout: Layout | str | int,
     head_dim: int,
@@ -130,7 +150,8 @@ def call_attention(
 ) -> tuple[jax.Array, ...]:
     """The FFI call of gqa_decode / gqa_prefill (op "decode" / "prefill").
 
-    args: (q, k, v, k_cache, v_cache, lengths[, new_lengths]). The caches come back aliased
+    args: (q, k, v, k_cache, v_cache, lengths[, new_lengths], committed). The caches come
+    back aliased
     to the inputs (updated in place when donated); the status [B] is returned on request and
     the handler's workspace is dropped.
     """

@@ -21,6 +21,7 @@ def gqa_decode(
     scale: float | None = None,
     softcap: float | None = None,
     window: int | None = None,
+    committed: jax.Array | None = None,
     return_status: bool = False,
 ) -> tuple[jax.Array, ...]:
     """One GQA decode step over a growing KV cache.
@@ -38,8 +39,13 @@ def gqa_decode(
         scale: score scale, default 1/sqrt(D).
         softcap: if set, scores become softcap * tanh(score / softcap).
         window: if set, attend to the last `window` positions only (the new token included).
-        return_status: also return the int32 [B] status (0 = ok); the CUDA kernels latch an
-            error there instead of touching memory past S when lengths is only known on device.
+        committed: int32 [B], positions of each sequence backed by committed memory (default
+            S). Pass it while a step compiled for a VMM view reserved at max_len is kept
+            across growth: writes are bounded by it, not by the array's shape.
+        return_status: also return the int32 [B] status (0 = ok). Lengths known only on the
+            device are checked there: a row with lengths[b] >= min(S, committed[b]) latches
+            status 1, its output is NaN and its cache untouched (CPU and CUDA alike); the
+            other rows are computed.
 
     Returns:
         (out [B, Hq, D], k_cache, v_cache), plus status [B] if return_status.
@@ -51,12 +57,15 @@ def gqa_decode(
     )
     attrs = _common.attention_attrs(layout, D, scale, softcap, window)
     known = _common.check_lengths("lengths", lengths, B)
+    committed, bound = _common.committed_or_capacity(committed, B, S)
     if known is not None:
-        bad = [(b, int(x)) for b, x in enumerate(known) if not 0 <= x < S]
+        bad = [(b, int(x)) for b, x in enumerate(known) if not 0 <= x < bound[b]]
         if bad:
             b, x = bad[0]
             raise ValueError(
-                f"lengths: expected 0 <= lengths[b] < capacity S={S}, got lengths[{b}]={x}"
+                f"lengths: expected 0 <= lengths[b] < capacity S={S}"
+                + (f" and committed[b]={int(bound[b])}" if bound[b] < S else "")
+                + f", got lengths[{b}]={x}"
             )
-    args = (q, k, v, k_cache, v_cache, lengths)
+    args = (q, k, v, k_cache, v_cache, lengths, committed)
     return _common.call_attention("decode", args, attrs, S, return_status)

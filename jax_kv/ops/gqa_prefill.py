@@ -24,6 +24,7 @@ def gqa_prefill(
     scale: float | None = None,
     softcap: float | None = None,
     window: int | None = None,
+    committed: jax.Array | None = None,
     return_status: bool = False,
 ) -> tuple[jax.Array, ...]:
     """Causal GQA prefill of T tokens per sequence into a growing KV cache.
@@ -40,7 +41,8 @@ def gqa_prefill(
         lengths: int32 [B], tokens cached before this call.
         new_lengths: int32 [B], tokens of this call per sequence, 0 <= new_lengths <= T
             (default T); lengths + new_lengths <= S.
-        layout, scale, softcap, window, return_status: as in gqa_decode.
+        layout, scale, softcap, window, committed, return_status: as in gqa_decode
+            (here lengths[b] + new_lengths[b] <= min(S, committed[b])).
 
     Returns:
         (out [B, T, Hq, D], k_cache, v_cache), plus status [B] if return_status.
@@ -52,6 +54,7 @@ def gqa_prefill(
     )
     attrs = _common.attention_attrs(layout, D, scale, softcap, window)
     known = _common.check_lengths("lengths", lengths, B)
+    committed, bound = _common.committed_or_capacity(committed, B, S)
     if new_lengths is None:
         new_lengths = jnp.full((B,), T, jnp.int32)
         known_new = [T] * B
@@ -67,11 +70,14 @@ def gqa_prefill(
     if known is not None:
         for b, x in enumerate(known):
             n = T if known_new is None else int(known_new[b])
-            if not (0 <= x and x + n <= S):
+            if not (0 <= x and x + n <= bound[b]):
+                limit = f"capacity S={S}" + (
+                    f" and committed[b]={int(bound[b])}" if bound[b] < S else ""
+                )
                 raise ValueError(
                     f"lengths: expected 0 <= lengths[b] and lengths[b] + new tokens "
-                    f"<= capacity S={S}, got lengths[{b}]={int(x)} with {n} new "
+                    f"<= {limit}, got lengths[{b}]={int(x)} with {n} new "
                     f"tokens (prefill would overflow the cache)"
                 )
-    args = (q, k, v, k_cache, v_cache, lengths, new_lengths)
+    args = (q, k, v, k_cache, v_cache, lengths, new_lengths, committed)
     return _common.call_attention("prefill", args, attrs, S, return_status)

@@ -93,17 +93,26 @@ def test_decode_refuses(args, case):
     refused(args, ValueError, match, **changes)
 
 
-def test_traced_lengths_refused_by_handler(args):
-    """Under jit the values are unknown in Python: the handler refuses with the same words."""
-    step = jax.jit(lambda a, n: call_decode({**a, "lengths": n}))
-    before = np.asarray(args["k_cache"]).copy()
-    with pytest.raises(
-        jax.errors.JaxRuntimeError,
-        match=r"lengths\[1\]=16: expected 0 <= "
-        r"lengths\[b\] and lengths\[b\] \+ new tokens \(1\) <= capacity S=16",
-    ):
-        jax.block_until_ready(step(args, jnp.array([0, S], jnp.int32)))
-    np.testing.assert_array_equal(np.asarray(args["k_cache"]), before)
+@pytest.mark.parametrize("bad", [S, -1, 2**31 - 1])
+def test_traced_lengths_latched_by_handler_under_donation(args, bad):
+    """Under jit the values are unknown in Python: the CPU handler latches like the CUDA
+    kernels (status 1, that row NaN, its cache untouched, the other row computed) instead of
+    failing the call, which under donation would delete the caller's cache, valid rows too."""
+    step = jax.jit(
+        lambda kc, vc, n: gqa_decode(
+            args["q"], args["k"], args["v"], kc, vc, n, layout=LAYOUT, return_status=True
+        ),
+        donate_argnums=(0, 1),
+    )
+    kc, vc = args["k_cache"], args["v_cache"]
+    before = np.asarray(kc).copy(), np.asarray(vc).copy()
+    out, kc2, vc2, status = step(kc, vc, jnp.array([bad, 3], jnp.int32))
+    assert np.asarray(status).tolist() == [1, 0]
+    assert np.isnan(np.asarray(out[0])).all() and np.isfinite(np.asarray(out[1])).all()
+    np.testing.assert_array_equal(np.asarray(kc2[0]), before[0][0])
+    np.testing.assert_array_equal(np.asarray(vc2[0]), before[1][0])
+    written = np.asarray(kc2[1]) != before[0][1]
+    assert written[3].all() and not np.delete(written, 3, axis=0).any()  # row 1: slot 3 only
 
 
 def test_prefill_overflow_refused(rng, args):
@@ -126,13 +135,11 @@ def test_prefill_overflow_refused(rng, args):
         )
     with pytest.raises(ValueError, match=r"q: expected rank 4 \[B, T, Hq, D\]"):
         gqa_prefill(args["q"], k, k, kc, vc, jnp.array([0, 0], jnp.int32), layout=LAYOUT)
-    fn = jax.jit(lambda n: gqa_prefill(q, k, k, kc, vc, n, layout=LAYOUT))
-    with pytest.raises(
-        jax.errors.JaxRuntimeError,
-        match=r"lengths\[1\]=13: .* new tokens \(4\) "
-        r"<= capacity S=16",
-    ):
-        jax.block_until_ready(fn(jnp.array([0, S - T + 1], jnp.int32)))
+    fn = jax.jit(lambda n: gqa_prefill(q, k, k, kc, vc, n, layout=LAYOUT, return_status=True))
+    out, kc2, _, status = fn(jnp.array([0, S - T + 1], jnp.int32))
+    assert np.asarray(status).tolist() == [0, 1]
+    assert np.isnan(np.asarray(out[1])).all() and np.isfinite(np.asarray(out[0])).all()
+    np.testing.assert_array_equal(np.asarray(kc2[1]), before[1])
     np.testing.assert_array_equal(np.asarray(kc), before)
 
 
