@@ -1,9 +1,11 @@
 """Physical-memory back ends of the VMM arena: the CUDA driver (cuda-python) and a host
-stand-in with the same contract (mmap'd PROT_NONE reservation, mprotect as commit) so the
-arena's bookkeeping, view rules and the cache's growth paths run in CPU tests.
+stand-in with the same contract (a read-only anonymous reservation that reads as zeros,
+mprotect as commit) so the arena's bookkeeping, view rules, zero granule and the cache's
+growth paths run in CPU tests.
 
-A driver maps one granule-sized physical handle at a time and grants access per contiguous
-range; it knows nothing of regions or views (jax_kv/memory/arena.py does).
+A driver maps one granule-sized physical handle at a time and grants read-write or read-only
+access per contiguous range; it knows nothing of regions or views (jax_kv/memory/arena.py
+does).
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ import ctypes
 import ctypes.util
 import mmap
 from typing import Any
-
-_PROT_NONE = 0  # <sys/mman.h>; the mmap module exports PROT_READ/WRITE only
 
 
 class ArenaError(RuntimeError):
@@ -63,6 +63,11 @@ class CudaDriver:
         desc.location.id = self.ordinal
         desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._desc = [desc]
+        read_only = cu.CUmemAccessDesc()
+        read_only.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        read_only.location.id = self.ordinal
+        read_only.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+        self._desc_read_only = [read_only]
         self._stream = self._check(
             cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate"
         )
@@ -107,8 +112,13 @@ class CudaDriver:
     def unmap(self, va: int, nbytes: int) -> None:
         self._check(self._cu.cuMemUnmap(va, nbytes), "cuMemUnmap")
 
-    def set_access(self, va: int, nbytes: int) -> None:
-        self._check(self._cu.cuMemSetAccess(va, nbytes, self._desc, 1), "cuMemSetAccess")
+    def set_access(self, va: int, nbytes: int, read_only: bool = False) -> None:
+        desc = self._desc_read_only if read_only else self._desc
+        self._check(self._cu.cuMemSetAccess(va, nbytes, desc, 1), "cuMemSetAccess")
+
+    def zero(self, va: int, nbytes: int) -> None:
+        """Zeroes mapped read-write bytes on the driver's stream (`finish_copies` waits)."""
+        self._check(self._cu.cuMemsetD8Async(va, 0, nbytes, self._stream), "cuMemsetD8Async")
 
     def synchronize(self) -> None:
         self._check(self._cu.cuCtxSynchronize(), "cuCtxSynchronize")
@@ -146,10 +156,13 @@ class CudaDriver:
 class HostDriver:
     """Host memory with VMM semantics, for CPU tests and CPU "VMM" caches.
 
-    The reservation is PROT_NONE address space (MAP_NORESERVE): touching bytes that were never
-    committed faults, as on the GPU. Commit is mprotect(READ|WRITE); unmap drops the pages
-    (MADV_DONTNEED) and makes them PROT_NONE again. `limit_bytes` caps the physical handles
-    that can exist, to test exhaustion.
+    The reservation is read-only anonymous address space (MAP_NORESERVE): reading bytes that
+    were never committed returns zeros (the kernel's shared zero page, as the GPU arena's zero
+    granule), writing them faults. Commit is mprotect(READ|WRITE); unmap drops the pages
+    (MADV_DONTNEED) and makes them read-only again; mapping the arena's zero handle is a
+    no-op because every read-only page already reads as zeros. `limit_bytes` caps the physical
+    handles that can exist, to test exhaustion; `inject_failure` makes the next calls of one
+    operation fail, to test the arena's failure paths.
     """
 
     kind = "cpu"
@@ -184,6 +197,25 @@ class HostDriver:
         self._libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         self._next_handle = 0
         self._live_handles: set[int] = set()
+        self._failures: dict[str, list[int]] = {}
+
+    def inject_failure(self, op: str, times: int = 1, after: int = 0) -> None:
+        """Test hook: after `after` more successful calls of `op` ("map", "unmap",
+        "set_access", "create", "release"), the next `times` calls raise ArenaError before
+        doing anything."""
+        self._failures[op] = [after, times]
+
+    def _maybe_fail(self, op: str) -> None:
+        plan = self._failures.get(op)
+        if plan is None:
+            return
+        if plan[0] > 0:
+            plan[0] -= 1
+            return
+        plan[1] -= 1
+        if plan[1] <= 0:
+            del self._failures[op]
+        raise ArenaError(f"host driver: injected {op} failure")
 
     def make_current(self) -> None:
         pass
@@ -195,7 +227,7 @@ class HostDriver:
         if self.max_reserve_bytes is not None and nbytes > self.max_reserve_bytes:
             raise ArenaExhausted(f"host driver: reserve of {nbytes} bytes refused (test limit)")
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
-        ptr = self._libc.mmap(None, nbytes, _PROT_NONE, flags, -1, 0)
+        ptr = self._libc.mmap(None, nbytes, mmap.PROT_READ, flags, -1, 0)
         if ptr in (None, ctypes.c_void_p(-1).value):
             raise ArenaExhausted(
                 f"mmap reserve of {nbytes} bytes failed: errno {ctypes.get_errno()}"
@@ -207,6 +239,7 @@ class HostDriver:
             raise ArenaError(f"munmap failed: errno {ctypes.get_errno()}")
 
     def create(self) -> int:
+        self._maybe_fail("create")
         if (len(self._live_handles) + 1) * self.granule > self.limit_bytes:
             raise ArenaExhausted(
                 f"host driver: physical limit {self.limit_bytes} bytes reached "
@@ -217,19 +250,31 @@ class HostDriver:
         return self._next_handle
 
     def release(self, handle: int) -> None:
+        self._maybe_fail("release")
         self._live_handles.remove(handle)
 
+    @property
+    def live_handles(self) -> int:
+        return len(self._live_handles)
+
     def map(self, va: int, handle: int) -> None:
+        self._maybe_fail("map")
         del handle  # host pages are the handle's storage; nothing to bind
 
     def unmap(self, va: int, nbytes: int) -> None:
+        self._maybe_fail("unmap")
         self._libc.madvise(va, nbytes, 4)  # MADV_DONTNEED: drop the pages (reads zero later)
-        if self._libc.mprotect(va, nbytes, _PROT_NONE) != 0:
-            raise ArenaError(f"mprotect(PROT_NONE) failed: errno {ctypes.get_errno()}")
+        if self._libc.mprotect(va, nbytes, mmap.PROT_READ) != 0:
+            raise ArenaError(f"mprotect(PROT_READ) failed: errno {ctypes.get_errno()}")
 
-    def set_access(self, va: int, nbytes: int) -> None:
-        if self._libc.mprotect(va, nbytes, mmap.PROT_READ | mmap.PROT_WRITE) != 0:
-            raise ArenaError(f"mprotect(READ|WRITE) failed: errno {ctypes.get_errno()}")
+    def set_access(self, va: int, nbytes: int, read_only: bool = False) -> None:
+        self._maybe_fail("set_access")
+        prot = mmap.PROT_READ if read_only else mmap.PROT_READ | mmap.PROT_WRITE
+        if self._libc.mprotect(va, nbytes, prot) != 0:
+            raise ArenaError(f"mprotect({prot}) failed: errno {ctypes.get_errno()}")
+
+    def zero(self, va: int, nbytes: int) -> None:
+        ctypes.memset(va, 0, nbytes)
 
     def synchronize(self) -> None:
         pass

@@ -6,7 +6,17 @@ Rules the arena enforces (DESIGN.md, Memory):
 - never two live views of the same bytes: `export` refuses an overlap;
 - never unmap memory a live view covers: decommit is deferred and skips covered granules,
   `Region.free` and `close` refuse while a view is live;
-- accounting is exact: every driver call is counted, commit time is measured.
+- accounting is exact: every driver call is counted, commit time is measured;
+- a stray read never faults: every granule of a region that holds no physical memory of its
+  own is mapped read-only to one shared zero granule (the seeds' dummy page), so a full-array
+  read of a view reserved at max_len returns zeros past the committed prefix; commit replaces
+  that mapping by a real granule, zeroed, and decommit puts the zero mapping back. A write
+  through a read-only mapping is an illegal address: the kernels bound their writes by the
+  committed capacity (gqa_decode's `committed`), never by the array's shape;
+- it fails closed: a granule whose unmap fails is quarantined (never pooled, never mapped
+  again), a commit's rollback never returns a still-mapped handle to the pool, and the
+  must-be-zero fault counters (`ref_underflows`, `unaccounted_committed_bytes`,
+  `unbacked_bytes`) are in `stats()`.
 
 A live view is counted from `export` until XLA drops the last array of its donation chain:
 the DLPack owner is a `_ViewToken` whose finalizer decrements the count, and nanobind
@@ -47,6 +57,16 @@ class ArenaStats:
     pending_decommit_bytes: int  # mapped, queued for deferred unmap
     live_views: int
     regions: int
+    zero_mapped_bytes: int  # address space mapped read-only to the shared zero granule
+    zero_map_calls: int  # maps of the zero granule (one per granule of a region, and on decommit)
+    zero_access_calls: int  # read-only set-access calls over zero-mapped runs
+    zero_map_seconds: float  # time in those maps and their read-only set-access calls
+    zero_fill_calls: int  # device memsets of newly committed granules (one per run)
+    quarantined_bytes: int  # granules whose unmap failed: held, never handed out again
+    handles_live: int  # physical handles created and not yet released (0 after close)
+    ref_underflows: int  # a region's granule count would have gone below 0 (must be 0)
+    unaccounted_committed_bytes: int  # committed granules no live region accounts for (0)
+    unbacked_bytes: int  # region granules neither committed nor zero-mapped (must be 0)
     map_calls: int
     unmap_calls: int
     set_access_calls: int
@@ -87,8 +107,29 @@ class _State:
         self.driver = driver
         self.base = 0
         self.reserved = 0
-        self.mapped: dict[int, Any] = {}  # granule index -> physical handle
+        self.mapped: dict[int, Any] = {}  # granule index -> physical handle (committed)
+        self.zero_handle: Any = None  # the shared zeroed granule, mapped read-only
+        self.zero_mapped: set[int] = set()  # granule indices mapped to zero_handle
+        self.quarantined: dict[int, Any] = {}  # granule index -> handle whose unmap failed
+        self.unreleased: list[Any] = []  # unmapped handles whose release failed
         self.pool: list[Any] = []
+        self.counts = dict.fromkeys(
+            (
+                "map",
+                "unmap",
+                "set_access",
+                "create",
+                "release",
+                "copy",
+                "exported",
+                "released",
+                "zero_map",
+                "zero_access",
+                "zero_fill",
+                "ref_underflows",
+            ),
+            0,
+        )
         self.closed = False
 
     def close(self) -> list[str]:
@@ -97,21 +138,30 @@ class _State:
         self.closed = True
         errors: list[str] = []
 
-        def attempt(fn: Any, *args: Any) -> None:
+        def attempt(fn: Any, *args: Any) -> bool:
             try:
                 fn(*args)
+                return True
             except Exception as e:  # noqa: BLE001 - teardown collects every failure
                 errors.append(str(e))
+                return False
 
         d, g = self.driver, self.driver.granule
         attempt(d.make_current)
         attempt(d.synchronize)
-        for index in sorted(self.mapped):
-            attempt(d.unmap, self.base + index * g, g)
-        for handle in [*self.mapped.values(), *self.pool]:
-            attempt(d.release, handle)
+        for index in sorted({*self.mapped, *self.zero_mapped, *self.quarantined}):
+            self.counts["unmap"] += attempt(d.unmap, self.base + index * g, g)
+        handles = [*self.mapped.values(), *self.pool, *self.quarantined.values(), *self.unreleased]
+        if self.zero_handle is not None:
+            handles.append(self.zero_handle)
+        for handle in handles:
+            self.counts["release"] += attempt(d.release, handle)
         self.mapped.clear()
         self.pool.clear()
+        self.zero_mapped.clear()
+        self.quarantined.clear()
+        self.unreleased.clear()
+        self.zero_handle = None
         if self.reserved:
             attempt(d.free_va, self.base, self.reserved)
         attempt(d.close)
@@ -140,6 +190,7 @@ class Region:
         self.reserved_bytes = reserved_bytes
         self.nbytes = nbytes
         self.freed = False
+        self.closing = False  # being freed: decommitted granules are not zero-mapped again
         self.granules = 0  # committed granules, kept by the arena
 
     @property
@@ -228,12 +279,10 @@ class VmmArena:
         self._pending: set[int] = set()
         self._views: dict[int, tuple[int, int]] = {}
         self._next_key = 0
-        self._counts = dict.fromkeys(
-            ("map", "unmap", "set_access", "create", "release", "copy", "exported", "released"),
-            0,
-        )
+        self._counts = self._state.counts
         self._commit_seconds = 0.0
         self._create_seconds = 0.0
+        self._zero_map_seconds = 0.0
         reserve = config.reserve_bytes if reserve_bytes is None else reserve_bytes
         ladder = (
             [_round_up(int(reserve), self.granule)]
@@ -258,7 +307,29 @@ class VmmArena:
                 f"VmmArena: every reservation size failed ({', '.join(map(str, tried))} "
                 f"bytes); last error: {last_error}"
             )
-        self._free_va = [(0, self._state.reserved)]
+        try:
+            self._make_zero_granule()
+        except BaseException:
+            self._finalizer()
+            raise
+        # Granule 0 of the reservation keeps the zero granule's own (read-only) mapping.
+        self._free_va = [(self.granule, self._state.reserved - self.granule)]
+
+    def _make_zero_granule(self) -> None:
+        """Creates the shared zero granule: mapped read-write at granule 0 to be zeroed on
+        the device, then made read-only there; regions map the same handle read-only."""
+        s, d, g = self._state, self._state.driver, self.granule
+        d.make_current()
+        s.zero_handle = d.create()
+        self._counts["create"] += 1
+        d.map(s.base, s.zero_handle)
+        self._counts["zero_map"] += 1
+        s.zero_mapped.add(0)
+        d.set_access(s.base, g)
+        d.zero(s.base, g)
+        d.finish_copies()
+        d.set_access(s.base, g, read_only=True)
+        self._counts["zero_access"] += 2
 
     # -- context manager / teardown ---------------------------------------------------------
 
@@ -327,6 +398,20 @@ class VmmArena:
             pending_decommit_bytes=len(self._pending) * self.granule,
             live_views=len(self._views),
             regions=len(self._regions),
+            zero_mapped_bytes=len(self._state.zero_mapped) * self.granule,
+            zero_map_calls=c["zero_map"],
+            zero_access_calls=c["zero_access"],
+            zero_map_seconds=self._zero_map_seconds,
+            zero_fill_calls=c["zero_fill"],
+            quarantined_bytes=(len(self._state.quarantined) + len(self._state.unreleased))
+            * self.granule,
+            handles_live=c["create"] - c["release"],
+            ref_underflows=c["ref_underflows"],
+            unaccounted_committed_bytes=abs(
+                sum(r.granules for r in self._regions.values()) - len(self._state.mapped)
+            )
+            * self.granule,
+            unbacked_bytes=self._unbacked_granules() * self.granule,
             map_calls=c["map"],
             unmap_calls=c["unmap"],
             set_access_calls=c["set_access"],
@@ -357,6 +442,13 @@ class VmmArena:
             for attempt in range(2):
                 for i, (off, free) in enumerate(self._free_va):
                     if free >= size:
+                        g = self.granule
+                        indices = range(off // g, (off + size) // g)
+                        try:
+                            self._map_zero(indices)
+                        except ArenaError:
+                            self._unmap_zero(indices, strict=False)
+                            raise
                         self._free_va[i : i + 1] = (
                             [(off + size, free - size)] if free > size else []
                         )
@@ -380,11 +472,16 @@ class VmmArena:
             if any(s < hi and lo < e for s, e in self._views.values()):
                 raise ArenaError("free: a live view covers this region; drop its jax arrays first")
             g = self.granule
-            self._queue_decommit(range(lo // g, hi // g))
+            indices = range(lo // g, hi // g)
+            region.closing = True
+            self._queue_decommit(indices)
             self.flush()
+            self._unmap_zero(indices, strict=False)
             region.freed = True
             del self._regions[region.offset]
             self._starts.remove(region.offset)
+            if any(i in self._state.quarantined for i in indices):
+                return  # its address space keeps the quarantined granules: never reused
             self._free_va.append((lo, region.reserved_bytes))
             self._free_va.sort()
             merged: list[tuple[int, int]] = []
@@ -398,6 +495,59 @@ class VmmArena:
     def _check_open(self) -> None:
         if self._state.closed:
             raise ArenaError("the arena is closed")
+
+    # -- the zero granule ------------------------------------------------------------------
+
+    def _map_zero(self, indices: Iterable[int]) -> None:
+        """Maps the zero granule read-only at each granule index (one set-access per run)."""
+        s, d, g = self._state, self._state.driver, self.granule
+        todo = sorted(i for i in indices if i not in s.zero_mapped and i not in s.mapped)
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        d.make_current()
+        try:
+            for index in todo:
+                d.map(s.base + index * g, s.zero_handle)
+                self._counts["zero_map"] += 1
+                s.zero_mapped.add(index)
+            for first, count in _runs(todo):
+                d.set_access(s.base + first * g, count * g, read_only=True)
+                self._counts["zero_access"] += 1
+        finally:
+            self._zero_map_seconds += time.perf_counter() - t0
+
+    def _unmap_zero(self, indices: Iterable[int], *, strict: bool = True) -> None:
+        s, d, g = self._state, self._state.driver, self.granule
+        for index in sorted(i for i in indices if i in s.zero_mapped):
+            try:
+                d.unmap(s.base + index * g, g)
+            except ArenaError:
+                if strict:
+                    raise
+                continue
+            self._counts["unmap"] += 1
+            s.zero_mapped.discard(index)
+
+    def _unbacked_granules(self) -> int:
+        s, g = self._state, self.granule
+        total = 0
+        for region in self._regions.values():
+            if region.closing:
+                continue
+            for index in range(region.offset // g, (region.offset + region.reserved_bytes) // g):
+                if index not in s.mapped and index not in s.zero_mapped:
+                    total += index not in s.quarantined
+        return total
+
+    def _count_granule(self, index: int, delta: int) -> None:
+        region = self._region_of(index)
+        if region is None:
+            return
+        if region.granules + delta < 0:
+            self._counts["ref_underflows"] += 1
+            return
+        region.granules += delta
 
     # -- commit / decommit -------------------------------------------------------------------
 
@@ -429,7 +579,8 @@ class VmmArena:
 
     def _create(self, in_flight: int = 0) -> Any:
         if self.limit_bytes is not None:
-            held = len(self._state.mapped) + len(self._state.pool) + in_flight
+            s = self._state
+            held = len(s.mapped) + len(s.pool) + len(s.quarantined) + len(s.unreleased) + in_flight
             physical = (held + 1) * self.granule
             if physical > self.limit_bytes:
                 raise ArenaExhausted(f"arena limit of {self.limit_bytes} bytes reached")
@@ -486,36 +637,59 @@ class VmmArena:
             missing = sorted(i for i in needed if i not in self._state.mapped)
             if not missing:
                 return CommitReport(0, 0, 0, 0.0)
+            stuck = [i for i in missing if i in self._state.quarantined]
+            if stuck:
+                raise ArenaError(
+                    f"commit refused: granule {stuck[0]} is quarantined (an earlier unmap of it "
+                    f"failed); its address range cannot be committed again"
+                )
             t0 = time.perf_counter()
             shortfall = len(missing) - len(self._state.pool)
             if shortfall > 0 and self._pending:
                 self.flush()  # recycle deferred decommits before asking the driver
             handles: list[Any] = []
-            mapped_now: list[int] = []
-            d = self._state.driver
+            mapped_now: list[tuple[int, Any]] = []
+            unzeroed: list[int] = []
+            s, d = self._state, self._state.driver
             try:
                 d.make_current()
-                while len(self._state.pool) + len(handles) < len(missing):
+                while len(s.pool) + len(handles) < len(missing):
                     handles.append(self._create(in_flight=len(handles)))
-                handles = [
-                    self._state.pool.pop() for _ in range(len(missing) - len(handles))
-                ] + handles
+                handles = [s.pool.pop() for _ in range(len(missing) - len(handles))] + handles
                 for index, handle in zip(missing, handles, strict=True):
-                    d.map(self._state.base + index * g, handle)
+                    if index in s.zero_mapped:  # the zero granule's mapping makes way
+                        d.unmap(s.base + index * g, g)
+                        self._counts["unmap"] += 1
+                        s.zero_mapped.discard(index)
+                        unzeroed.append(index)
+                    d.map(s.base + index * g, handle)
                     self._counts["map"] += 1
-                    mapped_now.append(index)
+                    mapped_now.append((index, handle))
                 runs = _runs(missing)
                 for first, count in runs:
-                    d.set_access(self._state.base + first * g, count * g)
+                    d.set_access(s.base + first * g, count * g)
                     self._counts["set_access"] += 1
+                # A recycled handle holds another cache's bytes: the committed tail reads as
+                # zeros, like the zero-mapped tail past it (and no data leaks between caches).
+                for first, count in runs:
+                    d.zero(s.base + first * g, count * g)
+                    self._counts["zero_fill"] += 1
+                d.finish_copies()
             except ArenaError as e:
-                for index in mapped_now:
+                in_pool = {id(h) for _, h in mapped_now}
+                returned = [h for h in handles if id(h) not in in_pool]
+                for index, handle in mapped_now:
                     try:
-                        d.unmap(self._state.base + index * g, g)
+                        d.unmap(s.base + index * g, g)
                         self._counts["unmap"] += 1
+                        returned.append(handle)
                     except ArenaError:
-                        pass
-                self._state.pool.extend(handles)
+                        s.quarantined[index] = handle  # still mapped: never pooled
+                s.pool.extend(returned)
+                try:
+                    self._map_zero(i for i in unzeroed if i not in s.quarantined)
+                except ArenaError:
+                    pass  # counted by stats().unbacked_bytes
                 requested = len(missing) * g
                 raise type(e)(
                     f"commit refused: requested {requested} bytes ({len(missing)} granules of "
@@ -523,10 +697,8 @@ class VmmArena:
                     f"{self.available_bytes()} bytes ({e})"
                 ) from e
             for index, handle in zip(missing, handles, strict=True):
-                self._state.mapped[index] = handle
-                region = self._region_of(index)
-                if region is not None:
-                    region.granules += 1
+                s.mapped[index] = handle
+                self._count_granule(index, +1)
             seconds = time.perf_counter() - t0
             self._commit_seconds += seconds
             return CommitReport(len(missing), len(missing), len(runs), seconds)
@@ -554,19 +726,32 @@ class VmmArena:
                 return 0
             d.make_current()
             d.synchronize()
+            s = self._state
+            unmapped: list[int] = []
             for index in todo:
-                d.unmap(self._state.base + index * g, g)
-                self._counts["unmap"] += 1
-                handle = self._state.mapped.pop(index)
+                handle = s.mapped.pop(index)
                 self._pending.discard(index)
-                region = self._region_of(index)
-                if region is not None:
-                    region.granules -= 1
-                if len(self._state.pool) * g < self.pool_target:
-                    self._state.pool.append(handle)
+                self._count_granule(index, -1)
+                try:
+                    d.unmap(s.base + index * g, g)
+                except ArenaError:
+                    s.quarantined[index] = handle  # may still be mapped: never handed out
+                    continue
+                self._counts["unmap"] += 1
+                unmapped.append(index)
+                if len(s.pool) * g < self.pool_target:
+                    s.pool.append(handle)
                 else:
-                    d.release(handle)
-                    self._counts["release"] += 1
+                    try:
+                        d.release(handle)
+                        self._counts["release"] += 1
+                    except ArenaError:
+                        s.unreleased.append(handle)  # unmapped: never handed out again
+            live = [i for i in unmapped if (r := self._region_of(i)) is not None and not r.closing]
+            try:
+                self._map_zero(live)
+            except ArenaError:
+                pass  # counted by stats().unbacked_bytes
             return len(todo) * g
 
     # -- views ---------------------------------------------------------------------------------
