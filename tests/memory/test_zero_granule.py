@@ -74,7 +74,7 @@ def fill(cache, rng, n, dtype):
         return np.asarray(k, np.float64)
     committed = jnp.full((B,), cache.capacity, jnp.int32)
     step = jax.jit(
-        lambda kc, vc, l: gqa_prefill(q, k, k, kc, vc, l, committed=committed, layout=cache.layout)[
+        lambda kc, vc, n: gqa_prefill(q, k, k, kc, vc, n, committed=committed, layout=cache.layout)[
             1:
         ],
         donate_argnums=(0, 1),
@@ -120,10 +120,14 @@ def test_full_array_reduction_equals_live_prefix_after_growth(arena, rng, dtype)
     # Committed bytes count real granules only: ceil(capacity * tok / granule) per binding.
     per_binding = -(-cache.capacity * tok // arena.granule) * arena.granule
     slot = max_len * tok
-    expected = sum(
-        len({(b * slot + i) // arena.granule for i in range(0, cache.capacity * tok, arena.granule)})
-        for b in range(B)
-    ) * arena.granule * 4  # fmt: skip
+    g = arena.granule
+    expected = (
+        4
+        * g
+        * sum(
+            len({(b * slot + i) // g for i in range(0, cache.capacity * tok, g)}) for b in range(B)
+        )
+    )
     assert cache.committed_bytes == s.committed_bytes == expected
     assert per_binding * B >= expected / 4
     assert s.zero_mapped_bytes >= 4 * B * slot - s.committed_bytes  # the rest reads zeros
@@ -143,8 +147,8 @@ def test_write_past_committed_is_refused_not_faulted(arena, rng):
     past = jnp.asarray([cache.capacity - T + 1], jnp.int32)  # one token past the commit
     committed = jnp.asarray([cache.capacity], jnp.int32)
     step = jax.jit(
-        lambda kc, vc, l, c: gqa_prefill(
-            q, q, q, kc, vc, l, committed=c, layout=Layout.SEQ_MAJOR, return_status=True
+        lambda kc, vc, n, c: gqa_prefill(
+            q, q, q, kc, vc, n, committed=c, layout=Layout.SEQ_MAJOR, return_status=True
         ),
         donate_argnums=(0, 1) if on_device(arena) else (),
     )
