@@ -78,7 +78,8 @@ template <typename Elem>
 ffi::Error FillGqaParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                          ffi::Buffer<ffi::S32> lengths, const int32_t* new_lengths,
-                         ffi::Buffer<ffi::S32> committed, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> status,
+                         ffi::Buffer<ffi::S32> committed, ffi::Result<ffi::AnyBuffer> out,
+                         ffi::Result<ffi::Buffer<ffi::S32>> status,
                          ffi::Result<ffi::Buffer<ffi::F32>> workspace, int32_t layout, float scale,
                          float softcap, int32_t window, bool has_token_axis, GqaParams<Elem>* p) {
   auto geo = CacheGeometryOf("k_cache", k_cache.dimensions(), layout);
@@ -234,11 +235,10 @@ inline ffi::Error FillGrowParams(ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> len
       .Attr<float>("scale")                                               \
       .Attr<float>("softcap")                                             \
       .Attr<int32_t>("window")
-#define JKV_GQA_COMMITTED_ARG \
-  .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* committed [B] */
+#define JKV_GQA_COMMITTED_ARG .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* committed [B] */
 #define JKV_GQA_DECODE_BINDING(ctx) JKV_GQA_ARGS(ctx) JKV_GQA_COMMITTED_ARG JKV_GQA_RETS_ATTRS
-#define JKV_GQA_PREFILL_BINDING(ctx)                                                    \
-  JKV_GQA_ARGS(ctx)                                                                     \
+#define JKV_GQA_PREFILL_BINDING(ctx)                                                          \
+  JKV_GQA_ARGS(ctx)                                                                           \
       .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* new_lengths [B] */ JKV_GQA_COMMITTED_ARG \
           JKV_GQA_RETS_ATTRS
 #define JKV_GROW_BINDING(ctx)                                         \

@@ -21,9 +21,10 @@ static ffi::Error GqaDecodeImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
                                 ffi::Result<ffi::Buffer<ffi::F32>> workspace, int32_t layout,
                                 float scale, float softcap, int32_t window) {
   GqaParams<T> p;
-  ffi::Error err = FillGqaParams<T>(q, k, v, k_cache, v_cache, lengths, /*new_lengths=*/nullptr,
-                                    committed, out, status, workspace, layout, scale, softcap, window,
-                                    /*has_token_axis=*/false, &p);
+  ffi::Error err =
+      FillGqaParams<T>(q, k, v, k_cache, v_cache, lengths, /*new_lengths=*/nullptr, committed, out,
+                       status, workspace, layout, scale, softcap, window,
+                       /*has_token_axis=*/false, &p);
   if (err.failure()) return err;
   // status is written by the kernel for every b (no memset node needed).
   cudaError_t e;
@@ -43,16 +44,13 @@ static ffi::Error GqaDecodeImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
   return ffi::Error::Success();
 }
 
-static ffi::Error GqaDecodeDispatch(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                                    ffi::AnyBuffer v, ffi::AnyBuffer /*k_cache*/,
-                                    ffi::AnyBuffer /*v_cache*/, ffi::Buffer<ffi::S32> lengths,
-                                    ffi::Buffer<ffi::S32> committed,
-                                    ffi::Result<ffi::AnyBuffer> out,
-                                    ffi::Result<ffi::AnyBuffer> k_cache,
-                                    ffi::Result<ffi::AnyBuffer> v_cache,
-                                    ffi::Result<ffi::Buffer<ffi::S32>> status,
-                                    ffi::Result<ffi::Buffer<ffi::F32>> workspace, int32_t layout,
-                                    float scale, float softcap, int32_t window) {
+static ffi::Error GqaDecodeDispatch(
+    cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+    ffi::AnyBuffer /*k_cache*/, ffi::AnyBuffer /*v_cache*/, ffi::Buffer<ffi::S32> lengths,
+    ffi::Buffer<ffi::S32> committed, ffi::Result<ffi::AnyBuffer> out,
+    ffi::Result<ffi::AnyBuffer> k_cache, ffi::Result<ffi::AnyBuffer> v_cache,
+    ffi::Result<ffi::Buffer<ffi::S32>> status, ffi::Result<ffi::Buffer<ffi::F32>> workspace,
+    int32_t layout, float scale, float softcap, int32_t window) {
   CountHostCall(kHostCallDecode);
   JKV_DISPATCH_DTYPE(q.element_type(), GqaDecodeImpl, stream, q, k, v, *k_cache, *v_cache, lengths,
                      committed, out, status, workspace, layout, scale, softcap, window);

@@ -7,13 +7,13 @@ namespace jax_kv {
 static ffi::Error GqaDecodeCpuDispatch(
     ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer /*k_cache*/,
     ffi::AnyBuffer /*v_cache*/, ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> committed,
-    ffi::Result<ffi::AnyBuffer> out,
-    ffi::Result<ffi::AnyBuffer> k_cache, ffi::Result<ffi::AnyBuffer> v_cache,
-    ffi::Result<ffi::Buffer<ffi::S32>> status, ffi::Result<ffi::Buffer<ffi::F32>> workspace,
-    int32_t layout, float scale, float softcap, int32_t window) {
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> k_cache,
+    ffi::Result<ffi::AnyBuffer> v_cache, ffi::Result<ffi::Buffer<ffi::S32>> status,
+    ffi::Result<ffi::Buffer<ffi::F32>> workspace, int32_t layout, float scale, float softcap,
+    int32_t window) {
   JKV_DISPATCH_DTYPE(q.element_type(), GqaCpuImpl, q, k, v, *k_cache, *v_cache, lengths,
-                     /*new_lengths=*/nullptr, committed, out, status, workspace, layout, scale, softcap,
-                     window, /*has_token_axis=*/false);
+                     /*new_lengths=*/nullptr, committed, out, status, workspace, layout, scale,
+                     softcap, window, /*has_token_axis=*/false);
 }
 
 }  // namespace jax_kv

@@ -287,6 +287,12 @@ class KvCache:
     def reserved_bytes(self) -> int:
         return sum(r.reserved_bytes for r in self._regions)
 
+    def committed_tokens(self) -> np.ndarray:
+        """int32 [B]: positions of each sequence backed by committed memory, the bound a kept
+        step's kernels write under (gqa_decode's `committed`). Every path commits whole
+        capacity steps for all sequences together, so it is the capacity for each row."""
+        return np.full((self.batch,), self.capacity, np.int32)
+
     def pointers(self) -> list[int]:
         return [a.unsafe_buffer_pointer() for a in (*self.k, *self.v)]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -20,11 +20,40 @@ import numpy as np
 
 from jax_kv import _ffi
 from jax_kv.cache import KvCache
+from jax_kv.config import runtime_config
 from jax_kv.decode.sampling import GREEDY, Sampling, sample
 from jax_kv.layout import Layout
 from jax_kv.models import llama
 
 PREFILL_MIN_TOKENS = 16  # prompt lengths are padded to powers of two from here: few compiles
+
+# Why a row stopped (GenerationResult.finish_reasons).
+FINISH_STOP = "stop"  # it emitted a stop token (kept as its last token)
+FINISH_MAX_NEW_TOKENS = "max_new_tokens"  # it generated max_new_tokens
+FINISH_LENGTH = "length"  # prompt + new tokens reached max_len (or the model's maximum) first
+
+# What a latched status code of the attention ops means (cuda/gqa_params.h, JKV_STATUS_*).
+STATUS_CAUSES = {
+    1: "a cache position at or past the committed capacity (lengths out of range)",
+    2: "new_lengths outside [0, T]",
+}
+
+
+class StepStatusError(ValueError):
+    """A compiled step refused a row (its attention status latched): the row's output was
+    NaN and its cache untouched; raised by the host one call late, naming the row."""
+
+
+def _check_status(status: np.ndarray, where: str) -> None:
+    bad = np.flatnonzero(status)
+    if bad.size:
+        b, code = int(bad[0]), int(status[bad[0]])
+        cause = STATUS_CAUSES.get(code, f"unknown status {code}")
+        raise StepStatusError(
+            f"{where}: row {b} was refused by the attention op (status {code}: {cause}); its "
+            f"output was NaN and its cache was not written"
+            + (f" (rows {bad.tolist()} in all)" if bad.size > 1 else "")
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +132,7 @@ class GenerationResult:
     tokens: list[list[int]]  # new token ids per prompt (a stop token, if hit, is kept)
     texts: list[str] | None  # decoded new tokens, where the model has a tokenizer
     stats: GenerationStats
+    finish_reasons: list[str] = dataclasses.field(default_factory=list)  # FINISH_* per prompt
 
 
 def _host_calls() -> int | None:
@@ -116,6 +146,26 @@ def _bucket(n: int, floor: int) -> int:
     return max(floor, 1 << (max(1, n) - 1).bit_length())
 
 
+def _limit_reason(budget: int, max_new: int) -> str:
+    return FINISH_MAX_NEW_TOKENS if budget >= max_new else FINISH_LENGTH
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+@jax.jit
+def _write_rows(old: jax.Array, new: jax.Array) -> jax.Array:
+    return old.at[:].set(new)
+
+
+# Donated, so the output lands in `old`'s buffer: a kept step finds its `committed` argument at
+# the address its recorded CUDA graph holds, and XLA replays the graph instead of re-recording.
+_write_rows_in_place = jax.jit(_write_rows.__wrapped__, donate_argnums=0)
+
+
 class Generator:
     """Generates with one jitted, donated decode step per call on a growing KvCache.
 
@@ -124,15 +174,22 @@ class Generator:
         layout: the cache Layout (seq-major keeps its compiled step across VMM growth).
         max_len: hard cap on tokens per sequence (default: the model's
             max_position_embeddings).
-        min_bucket: capacity floor and bucket base of the cache.
+        min_bucket: capacity floor and bucket base of the cache (default: JAX_KV_MIN_BUCKET,
+            256).
         arena: a VmmArena or EagerArena (default: VMM on CUDA, eager elsewhere).
         tokens_per_call: decode steps per jitted call when no growth can happen inside it.
         unroll_tokens: trace those steps straight-line instead of as a loop (lax.scan with
             unroll): XLA then launches one graph per call instead of one per step, at a compile
             time that grows with tokens_per_call. Slower on the H200 (bench/NOTES.md: the
             launch cost of a graph grows with its nodes); kept for the comparison.
-        fuse_projections: rewrite the model's params in place to one q/k/v and one gate/up
-            matmul per layer (Model.fuse_projections: same outputs, fewer and larger kernels).
+        fuse_projections: run one q/k/v and one gate/up matmul per layer (same outputs,
+            fewer and larger kernels). The fused weights are the Generator's own copy: the
+            caller's params are never modified or deleted (an unfused model therefore holds
+            both forms; `Model.fuse_projections()` first, or a loader's fused params, avoid it).
+
+    Every step runs with the ops' status path on: its writes are bounded by the cache's
+    committed capacity (a per-step device value, so a kept step stays kept), and a refused
+    row raises StepStatusError naming it, one call late, before its tokens are used.
     """
 
     def __init__(
@@ -141,22 +198,26 @@ class Generator:
         *,
         layout: Layout | str | int = Layout.SEQ_MAJOR,
         max_len: int | None = None,
-        min_bucket: int = 256,
+        min_bucket: int | None = None,
         arena: Any = None,
         tokens_per_call: int = 1,
         unroll_tokens: bool = False,
         fuse_projections: bool = True,
     ) -> None:
-        if int(tokens_per_call) < 1:
-            raise ValueError(f"tokens_per_call: expected >= 1, got {tokens_per_call}")
-        if fuse_projections and hasattr(model, "fuse_projections"):
-            model.fuse_projections()
+        self.tokens_per_call = _check_int("tokens_per_call", tokens_per_call, 1)
+        if max_len is not None:
+            max_len = _check_int("max_len", max_len, 2)
+        self.min_bucket = runtime_config().min_bucket if min_bucket is None else min_bucket
+        self.min_bucket = _check_int("min_bucket", self.min_bucket, 1)
+        if self.min_bucket & (self.min_bucket - 1):
+            raise ValueError(f"min_bucket: expected a power of two >= 1, got {min_bucket!r}")
         self.model = model
+        self.params = (
+            llama.fuse_projections(model.params) if fuse_projections else model.params
+        )  # the Generator's own pytree: the caller's arrays are shared, never deleted
         self.layout = Layout.parse(layout)
         self.max_len = max_len
-        self.min_bucket = int(min_bucket)
         self.arena = arena
-        self.tokens_per_call = int(tokens_per_call)
         self.unroll_tokens = bool(unroll_tokens)
         self._steps: dict[StepKey, Any] = {}
         self._traces = 0
@@ -166,8 +227,8 @@ class Generator:
     def _prefill_fn(self, key: StepKey) -> Callable[..., Any]:
         config, layout, sampling = self.model.config, key.layout, key.sampling
 
-        def run(params, tokens, new_lengths, caches, lengths, rng):
-            logits, caches = llama.prefill(
+        def run(params, tokens, new_lengths, caches, lengths, committed, rng):
+            logits, caches, status = llama.prefill(
                 params,
                 config,
                 tokens,
@@ -176,39 +237,49 @@ class Generator:
                 lengths,
                 layout=layout,
                 last_only=True,
+                committed=committed,
             )
             rng, sub = jax.random.split(rng)
-            return sample(logits, sub, sampling), caches, lengths + new_lengths, rng
+            tokens = sample(logits, sub, sampling)
+            return tokens, caches, lengths + new_lengths, committed, status, rng
 
         return run
 
     def _decode_fn(self, key: StepKey) -> Callable[..., Any]:
         config, layout, sampling = self.model.config, key.layout, key.sampling
 
-        def one(params, tokens, caches, lengths, rng):
-            logits, caches = llama.decode_step(
-                params, config, tokens, caches, lengths, layout=layout
+        def one(params, tokens, caches, lengths, committed, last, status, rng):
+            logits, caches, step_status = llama.decode_step(
+                params, config, tokens, caches, lengths, layout=layout, committed=committed
             )
             rng, sub = jax.random.split(rng)
-            return sample(logits, sub, sampling), caches, lengths + 1, rng
+            # A row at its last position (max_new_tokens or max_len reached) stays there: its
+            # later writes repeat that slot, inside the cap, and the host drops its tokens.
+            lengths = jnp.minimum(lengths + 1, last)
+            status = jnp.maximum(status, step_status)
+            return sample(logits, sub, sampling), caches, lengths, status, rng
 
-        def run(params, tokens, caches, lengths, rng):
+        def run(params, tokens, caches, lengths, committed, last, rng):
+            status = jnp.zeros_like(lengths)
             if key.num_tokens == 1:
-                tokens, caches, lengths, rng = one(params, tokens, caches, lengths, rng)
-                return tokens[None], tokens, caches, lengths, rng
+                tokens, caches, lengths, status, rng = one(
+                    params, tokens, caches, lengths, committed, last, status, rng
+                )
+                return tokens[None], tokens, caches, lengths, committed, status, rng
 
             def body(carry, _):
-                tokens, caches, lengths, rng = one(params, *carry)
-                return (tokens, caches, lengths, rng), tokens
+                tokens, caches, lengths, status, rng = carry
+                carry = one(params, tokens, caches, lengths, committed, last, status, rng)
+                return carry, carry[0]
 
-            (tokens, caches, lengths, rng), new = jax.lax.scan(
+            (tokens, caches, lengths, status, rng), new = jax.lax.scan(
                 body,
-                (tokens, caches, lengths, rng),
+                (tokens, caches, lengths, status, rng),
                 None,
                 length=key.num_tokens,
                 unroll=self.unroll_tokens,
             )
-            return new, tokens, caches, lengths, rng
+            return new, tokens, caches, lengths, committed, status, rng
 
         return run
 
@@ -234,7 +305,7 @@ class Generator:
             # output of its shape: XLA reuses the buffers, so the addresses the recorded CUDA
             # graph holds stay the same from call to call and it is replayed, not re-recorded
             # (a fresh `lengths` buffer per step re-ran every attention handler's host code).
-            donate = (3, 4, 5) if key.kind == "prefill" else (1, 2, 3, 4)
+            donate = (3, 4, 5, 6) if key.kind == "prefill" else (1, 2, 3, 4, 6)
             step = jax.jit(counted, donate_argnums=donate)
             t0 = time.perf_counter()
             step.lower(*args).compile()
@@ -289,32 +360,50 @@ class Generator:
         max_new_tokens: int,
         sampling: Sampling | None = None,
         *,
-        stop_tokens: Sequence[int] | None = None,
+        stop_tokens: Iterable[int] | None = None,
         on_tokens: Callable[[list[int | None]], None] | None = None,
     ) -> GenerationResult:
         """New tokens for a batch of prompts of different lengths.
 
         Args:
             prompts: texts (needs a tokenizer) or token-id lists; one string is a batch of 1.
-            max_new_tokens: tokens to generate per prompt, at most.
+            max_new_tokens: tokens to generate per prompt, at most (an int >= 1).
             sampling: greedy when omitted.
-            stop_tokens: a row stops after emitting one of these (default: the model's EOS).
+            stop_tokens: token ids; a row stops after emitting one (default: the model's EOS).
             on_tokens: called after each new token with one id per row (None for finished
                 rows): streaming.
+
+        A row stops at a stop token, at max_new_tokens, or where prompt + new tokens reach
+        max_len (the Generator's, else the model's max_position_embeddings): its finish
+        reason says which, and what it generated is returned. A prompt that leaves no room for
+        one new token is refused before any compute.
         """
-        if int(max_new_tokens) < 1:
-            raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
-        sampling = GREEDY if sampling is None else sampling
+        max_new = _check_int("max_new_tokens", max_new_tokens, 1)
+        if sampling is None:
+            sampling = GREEDY
+        elif not isinstance(sampling, Sampling):
+            raise ValueError(f"sampling: expected a jax_kv.Sampling or None, got {sampling!r}")
         ids = self._encode(prompts)
-        stop = set(self.model.config.eos_token_ids if stop_tokens is None else stop_tokens)
+        stop = self._stop_set(stop_tokens)
         B = len(ids)
         lens = np.array([len(p) for p in ids], np.int32)
+        cap = self._length_cap()
+        if cap is not None:
+            for b, n in enumerate(lens.tolist()):
+                if n >= cap:
+                    raise ValueError(
+                        f"prompts[{b}]: {n} tokens leave no room for a new token under "
+                        f"max_len={cap} (prompt + new tokens <= max_len)"
+                    )
+        budget = (
+            np.full((B,), max_new, np.int64) if cap is None else np.minimum(max_new, cap - lens)
+        )
         T = _bucket(int(lens.max()), PREFILL_MIN_TOKENS)
         stats = GenerationStats(layout=self.layout.name)
         cache = self.make_cache(B, int(lens.max()))
         try:
             result = self._run(
-                cache, ids, lens, T, int(max_new_tokens), sampling, stop, on_tokens, stats
+                cache, ids, lens, budget, max_new, T, sampling, stop, on_tokens, stats
             )
         finally:
             cs = cache.stats()
@@ -328,84 +417,109 @@ class Generator:
             cache.close()
         return result
 
-    def _run(self, cache, ids, lens, T, max_new, sampling, stop, on_tokens, stats):
+    def _length_cap(self) -> int | None:
+        """The most tokens (prompt + new) a sequence may hold: max_len, else the model's."""
+        if self.max_len is not None:
+            return self.max_len
+        return self.model.config.max_position_embeddings
+
+    def _stop_set(self, stop_tokens: Iterable[int] | None) -> set[int]:
+        if stop_tokens is None:
+            return set(self.model.config.eos_token_ids)
+        if isinstance(stop_tokens, str | bytes) or not isinstance(stop_tokens, Iterable):
+            raise ValueError(f"stop_tokens: expected an iterable of token ids, got {stop_tokens!r}")
+        vocab = self.model.config.vocab_size
+        out = set()
+        for t in stop_tokens:
+            if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= t < vocab:
+                raise ValueError(
+                    f"stop_tokens: expected token ids in [0, vocab={vocab}), got {t!r}"
+                )
+            out.add(int(t))
+        return out
+
+    def _run(self, cache, ids, lens, budget, max_new, T, sampling, stop, on_tokens, stats):
         B = len(ids)
-        params = self.model.params
+        params = self.params
         dtype = jnp.dtype(self.model.dtype).name
         tokens = np.zeros((B, T), np.int32)
         for b, p in enumerate(ids):
             tokens[b, : len(p)] = p
+        # The last position each row writes: prompt + budget - 1 < max_len (see _decode_fn).
+        last_np = (lens + budget - 1).astype(np.int32)
+        last = jnp.asarray(last_np)
         rng = jax.random.key(sampling.seed)
         sampling = dataclasses.replace(sampling, seed=0)  # for the step keys
         caches = list(zip(cache.k, cache.v, strict=True))
         lengths = jnp.asarray(cache.lengths)
-        args = (params, jnp.asarray(tokens), jnp.asarray(lens), caches, lengths, rng)
+        committed = jnp.asarray(cache.committed_tokens())
+        args = (params, jnp.asarray(tokens), jnp.asarray(lens), caches, lengths, committed, rng)
         key = StepKey("prefill", self.layout, cache.array_capacity, B, dtype, T, sampling)
         t0, compile0 = time.perf_counter(), stats.compile_seconds
-        (next_tok, caches, lengths, rng), _ = self._call(key, args, stats)
+        (next_tok, caches, lengths, committed, status, rng), _ = self._call(key, args, stats)
         first = np.asarray(next_tok)
         stats.prefill_seconds = time.perf_counter() - t0 - (stats.compile_seconds - compile0)
         stats.prefill_tokens = int(lens.sum())
         self._accept(cache, caches, lens, verify=True)
+        _check_status(np.asarray(status), "prefill")
 
         out: list[list[int]] = [[] for _ in range(B)]
-        done = [False] * B
-        self._record(first[None], out, done, stop, on_tokens, max_new)
+        reasons: list[str | None] = [None] * B
+        self._record(first[None], out, reasons, stop, on_tokens, budget, max_new)
         generated = 1
+        most = int(budget.max())
         overheads = []
         host_calls = [] if _host_calls() is not None else None
         # One call in flight: call i+1 is dispatched before call i's tokens are read, so the
         # host's work overlaps the device's. Sampled tokens feed the next call on the device;
-        # only streaming and stop checks read them, one call late (a row that stopped costs
-        # at most one extra call, whose tokens are dropped).
+        # only streaming, stop and status checks read them, one call late (a row that stopped
+        # costs at most one extra call, whose tokens are dropped).
         pending = None
 
         def drain() -> float:
             nonlocal pending
             t0 = time.perf_counter()
             if pending is not None:
-                self._record(np.asarray(pending), out, done, stop, on_tokens, max_new)
+                self._take(pending, out, reasons, stop, on_tokens, budget, max_new)
                 pending = None
             return time.perf_counter() - t0
 
         t_decode, compile0 = time.perf_counter(), stats.compile_seconds
-        while generated < max_new and not all(done):
-            remaining = max_new - generated
-            n = self.tokens_per_call
-            # A last call longer than needed reuses the compiled step (its extra tokens are
-            # dropped) instead of compiling a one-token step for the tail; only a cache whose
-            # hard max cannot take the overshoot falls back to one token per call.
-            if n > remaining and cache.max_len is not None:
-                if int(cache.lengths.max()) + n > cache.max_len:
-                    n = 1
+        n = self.tokens_per_call
+        while generated < most and None in reasons:
+            remaining = most - generated
             t_iter = time.perf_counter()
             waited = 0.0
-            need = int(cache.lengths.max()) + n
+            # Positions this call writes: lengths .. lengths + n - 1, each row capped at last.
+            need = int(np.minimum(cache.lengths.astype(np.int64) + n, last_np + 1).max())
             grew = need > cache.capacity
             if grew:
                 waited += drain()  # growth (commit, re-stride) with no step in flight
-                if all(done):
+                if None not in reasons:
                     break
                 before = (cache.array_capacity, cache.pointers())
                 event = cache.ensure_capacity(need)
                 self._decide(event, before, cache, generated, stats)
+                committed = _write_rows_in_place(committed, cache.committed_tokens())
             caches = list(zip(cache.k, cache.v, strict=True))
-            args = (params, next_tok, caches, lengths, rng)
+            args = (params, next_tok, caches, lengths, committed, last, rng)
             key = StepKey("decode", self.layout, cache.array_capacity, B, dtype, n, sampling)
             calls0 = _host_calls()
             t_call = time.perf_counter()
-            (new, next_tok, caches, lengths, rng), compiled = self._call(key, args, stats)
+            outputs, compiled = self._call(key, args, stats)
+            new, next_tok, caches, lengths, committed, status, rng = outputs
             t_called = time.perf_counter()
             if host_calls is not None:
                 host_calls.append(_host_calls() - calls0)
-            self._accept(cache, caches, n, verify=compiled or grew)
+            advance = np.minimum(cache.lengths.astype(np.int64) + n, last_np) - cache.lengths
+            self._accept(cache, caches, advance, verify=compiled or grew)
             generated += n
             stats.decode_calls += 1
             stats.decode_tokens += min(n, remaining) * B
-            previous, pending = pending, new
+            previous, pending = pending, (new, status)
             if previous is not None:
                 t0 = time.perf_counter()
-                self._record(np.asarray(previous), out, done, stop, on_tokens, max_new)
+                self._take(previous, out, reasons, stop, on_tokens, budget, max_new)
                 waited += time.perf_counter() - t0
             if not compiled:
                 total = time.perf_counter() - t_iter - waited
@@ -420,7 +534,10 @@ class Generator:
         texts = None
         if getattr(self.model, "tokenizer", None) is not None:
             texts = [self.model.decode(t) for t in out]
-        return GenerationResult(out, texts, stats)
+        finish = [
+            r if r is not None else _limit_reason(budget[b], max_new) for b, r in enumerate(reasons)
+        ]
+        return GenerationResult(out, texts, stats, finish)
 
     @staticmethod
     def _accept(cache: KvCache, caches, n, verify: bool) -> None:
@@ -429,18 +546,29 @@ class Generator:
         cache.accept([k for k, _ in caches], [v for _, v in caches], verify=verify)
         cache.advance(n)
 
+    @classmethod
+    def _take(cls, pending, out, reasons, stop, on_tokens, budget, max_new) -> None:
+        """A finished call's outputs, read one call late: its status first (a refused row
+        raises before any of the call's tokens is used), then its tokens."""
+        new, status = pending
+        _check_status(np.asarray(status), "decode")
+        cls._record(np.asarray(new), out, reasons, stop, on_tokens, budget, max_new)
+
     @staticmethod
-    def _record(new: np.ndarray, out, done, stop, on_tokens, max_new: int) -> None:
+    def _record(new: np.ndarray, out, reasons, stop, on_tokens, budget, max_new: int) -> None:
         for row in new:  # [B] per generated position
-            if all(len(o) >= max_new for o in out):
+            if None not in reasons:
                 return  # the overshoot of a last multi-token call
             emitted: list[int | None] = []
             for b, t in enumerate(row.tolist()):
-                if done[b] or len(out[b]) >= max_new:
+                if reasons[b] is not None:
                     emitted.append(None)
                     continue
                 out[b].append(t)
-                done[b] = t in stop
+                if t in stop:
+                    reasons[b] = FINISH_STOP
+                elif len(out[b]) >= budget[b]:
+                    reasons[b] = _limit_reason(budget[b], max_new)
                 emitted.append(t)
             if on_tokens is not None:
                 on_tokens(emitted)

@@ -198,7 +198,8 @@ def prefill(
     last_only: bool = False,
     attention: Callable[..., Any] = gqa_prefill,
     projection: Callable[..., Any] | None = None,
-) -> tuple[jax.Array, Caches]:
+    committed: jax.Array | None = None,
+) -> tuple[jax.Array, ...]:
     """Runs T new tokens per sequence through the decoder, appending their K/V to the caches.
 
     Args:
@@ -217,11 +218,14 @@ def prefill(
         projection: matvec, or a function of its contract (the plain-JAX comparator's
             jax_kv.ops.matvec.xla_matvec: XLA's dots and elementwise ops); None:
             jax_kv.ops.matvec.model_projection() (JAX_KV_MATVEC).
+        committed: int32 [B], positions backed by committed cache memory (gqa_prefill's
+            `committed`). When given, the status path is on: the attention calls return
+            their status and the result carries its per-row maximum over layers.
 
     Returns:
-        (logits, caches): float32 logits [B, T, V] (rows t >= new_lengths[b] are
-        meaningless) or [B, V] if last_only; caches with the new K/V written. The caller
-        advances lengths by new_lengths.
+        (logits, caches), plus status int32 [B] (0 = ok) when `committed` is given: float32
+        logits [B, T, V] (rows t >= new_lengths[b] are meaningless) or [B, V] if last_only;
+        caches with the new K/V written. The caller advances lengths by new_lengths.
     """
     B, T = tokens.shape
     if len(caches) != config.num_layers:
@@ -233,11 +237,22 @@ def prefill(
     positions = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
     x = jnp.take(params["embed"], tokens, axis=0)  # [B, T, H]
     out_caches: Caches = []
+    checked = _StatusPath(committed, B)
     for p, (k_cache, v_cache) in zip(params["layers"], caches, strict=True):
         q, k, v = _qkv(p, config, x, positions, projection)
         # attn: [B, T, Hq, D]
-        attn, k_cache, v_cache = attention(
-            q, k, v, k_cache, v_cache, lengths, new_lengths=new_lengths, layout=layout
+        attn, k_cache, v_cache = checked(
+            attention(
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                lengths,
+                new_lengths=new_lengths,
+                layout=layout,
+                **checked.kwargs,
+            )
         )
         x = projection(attn.reshape(B, T, -1), p["wo"], residual=x)
         x = _mlp(p, config, x, projection)
@@ -245,7 +260,7 @@ def prefill(
     if last_only:
         last = jnp.full((B,), T - 1, jnp.int32) if new_lengths is None else new_lengths - 1
         x = x[jnp.arange(B), jnp.maximum(last, 0)]  # [B, H]
-    return _logits(params, config, x), out_caches
+    return checked.result(_logits(params, config, x), out_caches)
 
 
 def decode_step(
@@ -258,7 +273,8 @@ def decode_step(
     layout: Layout | str | int,
     attention: Callable[..., Any] = gqa_decode,
     projection: Callable[..., Any] | None = None,
-) -> tuple[jax.Array, Caches]:
+    committed: jax.Array | None = None,
+) -> tuple[jax.Array, ...]:
     """One token per sequence: tokens int32 [B] at positions lengths [B] (< S).
 
     `attention` is gqa_decode or a function of the same contract (the benchmarks' plain-JAX
@@ -266,7 +282,9 @@ def decode_step(
     its contract (the comparator's jax_kv.ops.matvec.xla_matvec); None picks by
     JAX_KV_MATVEC (jax_kv.ops.matvec.model_projection).
 
-    Returns (float32 logits [B, V], caches); the caller advances lengths by 1.
+    `committed` (int32 [B]) bounds the cache writes and turns the status path on, as in
+    `prefill`. Returns (float32 logits [B, V], caches), plus status int32 [B] when `committed`
+    is given; the caller advances lengths by 1.
     """
     (B,) = tokens.shape
     if len(caches) != config.num_layers:
@@ -278,16 +296,40 @@ def decode_step(
     positions = lengths[:, None]  # [B, 1]
     x = jnp.take(params["embed"], tokens, axis=0)[:, None, :]  # [B, 1, H]
     out_caches: Caches = []
+    checked = _StatusPath(committed, B)
     for p, (k_cache, v_cache) in zip(params["layers"], caches, strict=True):
         q, k, v = _qkv(p, config, x, positions, projection)
         # attn: [B, Hq, D]
-        attn, k_cache, v_cache = attention(
-            q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, lengths, layout=layout
-        )
+        attn, k_cache, v_cache = checked(
+            attention(
+                q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, lengths, layout=layout,
+                **checked.kwargs,
+            )
+        )  # fmt: skip
         x = projection(attn.reshape(B, 1, -1), p["wo"], residual=x)
         x = _mlp(p, config, x, projection)
         out_caches.append((k_cache, v_cache))
-    return _logits(params, config, x[:, 0]), out_caches
+    return checked.result(_logits(params, config, x[:, 0]), out_caches)
+
+
+class _StatusPath:
+    """The attention calls' status, on when `committed` is given: each call passes it and
+    asks for its status; the step's status is the per-row maximum over the layers (any
+    nonzero code means the row was refused somewhere and its output is NaN)."""
+
+    def __init__(self, committed: jax.Array | None, batch: int) -> None:
+        self.on = committed is not None
+        self.kwargs = dict(committed=committed, return_status=True) if self.on else {}
+        self.status = jnp.zeros((batch,), jnp.int32)
+
+    def __call__(self, outputs: tuple) -> tuple:
+        if not self.on:
+            return outputs
+        self.status = jnp.maximum(self.status, outputs[3])
+        return outputs[:3]
+
+    def result(self, logits: jax.Array, caches: Caches) -> tuple:
+        return (logits, caches, self.status) if self.on else (logits, caches)
 
 
 # The steps jitted with the caches donated: XLA writes the new K/V in place.

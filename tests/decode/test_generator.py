@@ -119,7 +119,7 @@ def test_steps_a_growth_invalidated_serve_a_later_call(model):
     [
         (dict(prompts=[[]], max_new_tokens=4), "prompts: expected one or more non-empty"),
         (dict(prompts=[[1, 10**6]], max_new_tokens=4), r"prompts\[0\]: token id 1000000 outside"),
-        (dict(prompts=[[1]], max_new_tokens=0), "max_new_tokens: expected >= 1"),
+        (dict(prompts=[[1]], max_new_tokens=0), "max_new_tokens: expected an int >= 1, got 0"),
         (dict(prompts=["text"], max_new_tokens=2), "no tokenizer"),
     ],
 )
@@ -129,7 +129,7 @@ def test_bad_arguments(model, args, match):
 
 
 def test_bad_generator_arguments(model):
-    with pytest.raises(ValueError, match="tokens_per_call: expected >= 1"):
+    with pytest.raises(ValueError, match="tokens_per_call: expected an int >= 1, got 0"):
         Generator(model, tokens_per_call=0)
     with pytest.raises(ValueError, match="layout: expected a jax_kv.Layout"):
         Generator(model, layout="diagonal")
