@@ -1,6 +1,8 @@
 # The two commands of the README, each doing all its set-up on a fresh machine:
 #   make demo   builds jax_kv into .venv and generates with the default model (SmolLM2-135M)
-#   make test   builds jax_kv into .venv, checks formatting and lint, runs the test suite
+#   make test   builds jax_kv into .venv, checks formatting and lint, installs the wheel into a
+#               clean venv and generates from outside the source tree (make wheel-smoke),
+#               then runs the test suite
 # GPU build: JAX_KV_CUDA=ON make install (needs nvcc; see README "Running on a GPU").
 
 PYTHON ?= python3
@@ -10,7 +12,7 @@ SOURCES := $(shell git ls-files 'ffi/*' 'cuda/*' 'cmake/*' CMakeLists.txt pyproj
 PY_FILES := jax_kv tests bench
 CXX_FILES := $(shell git ls-files '*.cc' '*.h' '*.cu' '*.cuh' 2>/dev/null)
 
-.PHONY: install install-test demo test lint format clean
+.PHONY: install install-test demo test lint wheel-smoke format clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,7 +41,16 @@ lint: install-test
 	$(BIN)/ruff format --check $(PY_FILES)
 	$(BIN)/clang-format --dry-run -Werror $(CXX_FILES)
 
+# The tests run from the editable install, inside the source tree, where the repo root (and
+# its cuda/ folder) is importable; this checks what users get: the wheel in a clean venv,
+# without the cuda extra, run from a scratch directory (about a minute; see the script).
+wheel-smoke: install
+	scripts/wheel_smoke.sh
+
+# wheel-smoke through a sub-make, not as a prerequisite: under make -j it would build the wheel
+# in build/venv while lint's editable install builds there too. Before pytest: it fails fast.
 test: lint
+	$(MAKE) --no-print-directory wheel-smoke
 	$(BIN)/python -m pytest -q
 
 format: install-test
@@ -48,4 +59,4 @@ format: install-test
 	$(BIN)/clang-format -i $(CXX_FILES)
 
 clean:
-	rm -rf $(VENV) build
+	rm -rf $(VENV) .venv-wheel build
