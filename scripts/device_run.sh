@@ -2,7 +2,7 @@
 # One device call: build the CUDA module, run the GPU tests, run the benchmarks. Logs go to
 # $OUT (or ./device-out). Each stage has its own time limit so the whole fits one call.
 #   bash scripts/device_run.sh [stages...]   stages: build ops ops-off gen cache attn generate profile san matvec
-#     matvec-shapes prefill-profile
+#     matvec-shapes prefill-profile failsafe vmm-san soak
 # GEN_MODELS, GEN_BATCH, GEN_TOKENS, GEN_IMPLS, GEN_TIMEOUT set bench/generate.py's run.
 # ATTN_ARGS passes options to bench/attention.py (e.g. "--decode-kernel both"), ATTN_TIMEOUT
 # its time limit in seconds (200); PROF_ARGS / PROF_TIMEOUT the same for bench/step_profile.py;
@@ -65,6 +65,20 @@ for s in $STAGES; do
       timeout -k 10 120 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -m gpu \
         tests/ops/test_gpu_ops.py -q -p no:cacheprovider -p no:benchmark -k "(decode_head_dims and bfloat16 and SEQ) or (prefill_head_dims and bfloat16 and HEAD) or prefill_many_query_blocks or status_out_of_range or decode_many_splits" \
         2>&1 | tee "$OUT/sanitizer.log" | tail -8 ;;
+    failsafe)
+      stage "fail-safe tests on the GPU backend (unfiltered: the CPU-written cases run on CUDA + VMM)"
+      timeout -k 10 ${FS_TIMEOUT:-200} python3 -m pytest tests/decode/test_generator_failsafe.py \
+        tests/ops/test_committed_bound.py tests/memory/test_zero_granule.py -q -p no:cacheprovider \
+        -p no:benchmark -rs 2>&1 | tee "$OUT/failsafe.log" | tail -12 ;;
+    vmm-san)
+      stage "compute-sanitizer memcheck: VMM (zero granule), growth, committed bound, decode loop"
+      timeout -k 10 ${VSAN_TIMEOUT:-240} compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -m gpu \
+        tests/memory tests/cache/test_vmm_gpu.py tests/ops/test_committed_bound.py tests/decode/test_generator_gpu.py \
+        -q -p no:cacheprovider -p no:benchmark 2>&1 | tee "$OUT/vmm_sanitizer.log" | tail -8 ;;
+    soak)
+      stage "bench/soak.py"
+      timeout -k 10 ${SOAK_TIMEOUT:-200} python3 bench/soak.py --steps ${SOAK_STEPS:-20000} --out "$OUT" 2>&1 \
+        | tee "$OUT/soak.log" | tail -14 ;;
     matvec-shapes)
       stage "bench/matvec_shapes.py --time"
       timeout -k 10 ${MVS_TIMEOUT:-150} python3 bench/matvec_shapes.py --time --out "$OUT" \
