@@ -5,9 +5,90 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+# Exit statuses: a user error (argparse's own); output cut short by a closed pipe and Ctrl-C
+# (128 + SIGPIPE, 128 + SIGINT: what a shell reports for a program those signals killed).
+EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 141
+EXIT_INTERRUPTED = 130
+
+
+class UserError(Exception):
+    """Input the user has to fix: printed as one `error: ...` line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument raises UserError (one line, no usage block), so every
+    user error leaves through the same place in `main`."""
+
+    def error(self, message: str) -> Any:  # argparse: must not return
+        raise UserError(message.removeprefix("argument "))
+
+
+def _int_arg(low: int, high: int | None = None, spelled: str = "") -> Callable[[str], int]:
+    expect = spelled or (f"an int >= {low}" if high is None else f"an int in [{low}, {high}]")
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {expect}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _power_of_two(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1 or value & (value - 1):
+        raise argparse.ArgumentTypeError(f"expected a power of two >= 1, got {text!r}")
+    return value
+
+
+def _float_arg(expect: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and ok(value)):
+            raise argparse.ArgumentTypeError(f"expected {expect}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    return text or type(e).__name__
+
+
+def _make_arena(kind: str) -> Any:
+    """--arena: None lets the cache choose (VMM on CUDA, eager elsewhere)."""
+    if kind == "auto":
+        return None
+    from jax_kv.memory import EagerArena, VmmArena
+
+    if kind == "eager":
+        return EagerArena()
+    try:
+        return VmmArena()
+    except (RuntimeError, ImportError, OSError) as e:  # no CUDA device, driver or cuda-python
+        raise UserError(
+            f"--arena vmm: needs a CUDA GPU with virtual memory ({_one_line(e)})"
+        ) from e
 
 
 def _stats_table(stats: Any) -> str:
@@ -64,11 +145,18 @@ def _stats_table(stats: Any) -> str:
 
 
 def generate(args: argparse.Namespace) -> int:
+    # Everything the user typed is checked before the model loads (seconds to minutes).
+    if args.model is not None and not Path(args.model).exists():
+        raise UserError(f"--model: {args.model}: no such file or directory")
     import jax
 
     import jax_kv.models as jm
     from jax_kv.decode import Generator, Sampling
 
+    sampling = Sampling(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
+    )
+    arena = _make_arena(args.arena)
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     t0 = time.perf_counter()
     model = jm.load(args.model, dtype=dtype) if args.model else jm.default(dtype=dtype)
@@ -76,14 +164,20 @@ def generate(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if args.chat:
         prompt = model.apply_chat_template([{"role": "user", "content": prompt}])
-    sampling = Sampling(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
-    )
+    n = len(model.encode(prompt))
+    limit = args.max_len or model.config.max_position_embeddings
+    if n >= limit:
+        where = "--max-len" if args.max_len else "the model's max_position_embeddings"
+        raise UserError(
+            f"--prompt: expected fewer than {limit} tokens ({where}) to leave room for a new "
+            f"token, got {n}"
+        )
     gen = Generator(
         model,
         layout=args.layout,
         max_len=args.max_len,
         min_bucket=args.min_bucket,
+        arena=arena,
         tokens_per_call=args.tokens_per_call,
     )
     ids: list[int] = []
@@ -118,19 +212,19 @@ def generate(args: argparse.Namespace) -> int:
     if args.json:
         stats = result.stats.as_dict()
         stats["load_seconds"] = load_s
-        print(
-            json.dumps(
-                dict(
-                    tokens=result.tokens[0],
-                    text=result.texts[0] if result.texts else None,
-                    prompt=prompt,
-                    model=model.source,
-                    dtype=dtype,
-                    backend=jax.default_backend(),
-                    stats=stats,
-                )
-            )
+        out = dict(
+            tokens=result.tokens[0],
+            text=result.texts[0] if result.texts else None,
+            prompt=prompt,
+            model=model.source,
+            dtype=dtype,
+            backend=jax.default_backend(),
+            stats=stats,
         )
+        finish_reasons = getattr(result, "finish_reasons", None)
+        if finish_reasons is not None:
+            out["finish_reasons"] = list(finish_reasons)
+        print(json.dumps(out))
     else:
         print("\n")
         print(f"{model.source} ({dtype}, {jax.default_backend()}), loaded in {load_s:.1f} s")
@@ -148,8 +242,8 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jax_kv")
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m jax_kv")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser(
         "generate",
@@ -163,21 +257,46 @@ def main(argv: list[str] | None = None) -> int:
     )
     g.add_argument("--prompt", default="The capital of France is")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--max-new-tokens", type=_int_arg(1), default=32, metavar="N")
     g.add_argument("--layout", default="seq-major", choices=["seq-major", "head-major"])
-    g.add_argument("--max-len", type=int, default=None)
-    g.add_argument("--min-bucket", type=int, default=256)
-    g.add_argument("--tokens-per-call", type=int, default=1)
+    g.add_argument(
+        "--max-len",
+        type=_int_arg(1),
+        default=None,
+        metavar="N",
+        help="tokens per sequence, prompt included (default: the model's)",
+    )
+    g.add_argument("--min-bucket", type=_power_of_two, default=256, metavar="N")
+    g.add_argument("--tokens-per-call", type=_int_arg(1), default=1, metavar="K")
+    g.add_argument(
+        "--arena",
+        choices=["auto", "vmm", "eager"],
+        default="auto",
+        help="KV memory: vmm (CUDA virtual memory), eager (XLA buffers), auto (vmm on CUDA, "
+        "eager elsewhere)",
+    )
     g.add_argument(
         "--dtype",
         choices=["bfloat16", "float16", "float32"],
         default=None,
         help="default: bfloat16 on GPU, float32 on CPU",
     )
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--temperature",
+        type=_float_arg("a finite number >= 0", lambda t: t >= 0),
+        default=0.0,
+        help="0 = greedy",
+    )
+    g.add_argument("--top-k", type=_int_arg(0), default=0, metavar="K", help="0 = all")
+    g.add_argument(
+        "--top-p",
+        type=_float_arg("a number in (0, 1]", lambda p: 0 < p <= 1),
+        default=1.0,
+        metavar="P",
+    )
+    g.add_argument(
+        "--seed", type=_int_arg(-(2**63), 2**63 - 1, "an int in [-2**63, 2**63)"), default=0
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object, no streaming")
     g.set_defaults(run=generate)
     d = sub.add_parser(
@@ -185,12 +304,40 @@ def main(argv: list[str] | None = None) -> int:
         help="prefill + decode through one attention layer, both "
         "layouts, and print their agreement",
     )
-    d.add_argument("--steps", type=int, default=8)
+    d.add_argument("--steps", type=_int_arg(1), default=8, metavar="N")
     d.set_defaults(run=demo)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _silence_stdout() -> None:
+    """Points stdout at /dev/null, so the flush at interpreter exit does not raise
+    BrokenPipeError again (the recipe of Python's signal docs, "Note on SIGPIPE")."""
     try:
-        return args.run(args)
-    except (ValueError, FileNotFoundError) as e:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout without a file descriptor
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command line; returns the exit status.
+
+    A user error (a bad argument, a missing or unreadable model, input the library refuses
+    with ValueError) prints one line `error: ...` to stderr and returns 2, without a
+    traceback; a reader that closes the pipe early (`| head`) ends it quietly (141).
+    """
+    try:
+        args = _parser().parse_args(argv)
+        status = args.run(args)
+        sys.stdout.flush()  # inside the try: a closed pipe shows here, not at exit
+        return status
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    except (UserError, ValueError, OSError) as e:
         # Bad input is the user's to fix: say what and where, without a traceback.
-        print(f"python -m jax_kv {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        # (ValueError: the library's refusals name the argument; OSError: files.)
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED

@@ -29,6 +29,8 @@ def test_generate_json():
     s = r["stats"]
     assert s["growth_events"] == 1 and s["decisions"][0]["kept"] is False  # eager on CPU
     assert s["captures"] == 2 and s["invalidations"] == 1
+    if "finish_reasons" in r:  # GenerationResult.finish_reasons, where the library has it
+        assert r["finish_reasons"] == ["max_new_tokens"]
 
 
 def test_generate_streams_then_prints_stats():
@@ -50,17 +52,21 @@ def test_generate_streams_then_prints_stats():
 @pytest.mark.parametrize(
     "args, match",
     [
-        (("generate", "--layout", "diagonal"), "invalid choice: 'diagonal'"),
+        (("generate", "--layout", "diagonal"), "error: --layout: invalid choice: 'diagonal'"),
         (
             ("generate", "--model", "/nonexistent/model.gguf"),
-            "error: /nonexistent/model.gguf: no such file or directory",
+            "error: --model: /nonexistent/model.gguf: no such file or directory",
         ),
-        (("generate", "--max-new-tokens", "0"), "error: max_new_tokens: expected >= 1"),
+        (
+            ("generate", "--max-new-tokens", "0"),
+            "error: --max-new-tokens: expected an int >= 1, got '0'",
+        ),
     ],
 )
 def test_generate_bad_arguments(args, match):
+    """One line on stderr, exit 2 (tests/test_cli_errors.py has the full list)."""
     p = run(*args)
-    assert p.returncode == 2 and match in p.stderr
+    assert p.returncode == 2 and p.stderr.startswith(match) and p.stderr.count("\n") == 1
     assert "Traceback" not in p.stderr
 
 

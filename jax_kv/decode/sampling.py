@@ -7,19 +7,62 @@ sampling parameters are static (part of the compiled step's key), the key is a d
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+# Temperatures below this are greedy. Why: `sample` divides float32 logits by the
+# temperature. At 1e-38 a logit of 4 already overflows float32 (max 3.4e38) to inf, and below
+# 1e-45 the temperature itself rounds to 0 (x / 0 = inf or NaN): the first +inf logit wins, so
+# categorical returned index 0 (or the first positive logit), not the most likely token. Above
+# 1e-5, logits up to 3.4e33 stay finite; below it, a runner-up 1e-3 under the top logit is
+# drawn with odds exp(-1e-3 / 1e-5) = exp(-100): sampling there is greedy in all but name.
+GREEDY_BELOW = 1e-5
+
+# jax.random.key takes a signed 64-bit seed (2**63 raises OverflowError); with jax_enable_x64
+# off it keys on the low 32 bits, so seeds 2**32 apart give the same tokens.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def _real(name: str, value: Any, expectation: str) -> float:
+    """`value` as a float if it is a finite real number (bool, str, NaN, inf refused)."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}: expected {expectation}, got {type(value).__name__} {value!r}")
+    try:
+        as_float = float(value)
+    except OverflowError:  # an int beyond float range, e.g. 10**400
+        as_float = math.inf
+    if not math.isfinite(as_float):
+        raise ValueError(f"{name}: expected {expectation}, got {value!r}")
+    return as_float
+
+
+def _int(name: str, value: Any, expectation: str) -> int:
+    """`value` as an int if it is an integer (bool and integral floats such as 2.0 refused)."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name}: expected {expectation}, got {type(value).__name__} {value!r}")
+    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """How to pick the next token. `temperature == 0` is greedy (top_k / top_p ignored).
+    """How to pick the next token. Greedy (argmax; top_k / top_p ignored) when
+    `temperature < GREEDY_BELOW` (1e-5), 0 included.
 
-    temperature: logits are divided by it before sampling.
-    top_k: keep the k most likely tokens (0 = all).
-    top_p: keep the smallest set of tokens whose probability reaches top_p (1.0 = all).
-    seed: seeds the jax.random key; the same seed gives the same tokens.
+    temperature: finite, >= 0; logits are divided by it before sampling.
+    top_k: int >= 0; keep the k most likely tokens (0 = all).
+    top_p: in (0, 1]; keep the smallest set of tokens whose probability reaches top_p
+        (1.0 = all).
+    seed: int in [-2**63, 2**63); seeds the jax.random key, the same seed gives the same
+        tokens (JAX keys on its low 32 bits unless jax_enable_x64 is on).
+
+    Values are checked and stored as Python float / int (a NumPy scalar is converted), so
+    equal settings make equal, equally hashed step keys. Bad values raise a ValueError that
+    names the field.
     """
 
     temperature: float = 0.0
@@ -28,16 +71,29 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0):
-            raise ValueError(f"temperature: expected >= 0, got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or int(self.top_k) != self.top_k or self.top_k < 0:
-            raise ValueError(f"top_k: expected an int >= 0, got {self.top_k!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p: expected 0 < top_p <= 1, got {self.top_p!r}")
+        temperature = _real("temperature", self.temperature, "a finite number >= 0")
+        if temperature < 0.0:
+            raise ValueError(f"temperature: expected a finite number >= 0, got {temperature!r}")
+        top_k = _int("top_k", self.top_k, "an int >= 0")
+        if top_k < 0:
+            raise ValueError(f"top_k: expected an int >= 0, got {top_k!r}")
+        top_p = _real("top_p", self.top_p, "a finite number in (0, 1]")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p: expected a finite number in (0, 1], got {top_p!r}")
+        seed = _int("seed", self.seed, "an int in [-2**63, 2**63)")
+        if not SEED_MIN <= seed <= SEED_MAX:
+            raise ValueError(f"seed: expected an int in [-2**63, 2**63), got {seed!r}")
+        for name, value in (
+            ("temperature", temperature),
+            ("top_k", top_k),
+            ("top_p", top_p),
+            ("seed", seed),
+        ):
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 GREEDY = Sampling()

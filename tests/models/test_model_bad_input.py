@@ -139,7 +139,8 @@ def _gguf_with(tmp_path, ref, edit):
         key = key.replace("llama.", f"{arch}.", 1)
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(key, field.contents(), vtype, sub_type=sub)
+        value = edit.get("set", {}).get(key, field.contents())
+        w.add_key_value(key, value, vtype, sub_type=sub)
     for t in reader.tensors:
         if t.name == edit.get("drop"):
             continue
@@ -148,7 +149,10 @@ def _gguf_with(tmp_path, ref, edit):
             raw = np.zeros((t.shape[1], n // t.shape[1] // 32 * 18), np.uint8)
             w.add_tensor(t.name, raw, raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
             continue
-        w.add_tensor(t.name, np.array(t.data))
+        data = np.array(t.data)
+        if t.name == edit.get("nan"):
+            data.flat[5] = np.nan
+        w.add_tensor(t.name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -255,3 +259,256 @@ def test_random_model_is_seeded_and_typed():
     np.testing.assert_array_equal(np.asarray(a.params["embed"]), np.asarray(b.params["embed"]))
     assert not np.array_equal(np.asarray(a.params["embed"]), np.asarray(c.params["embed"]))
     assert a.dtype == jnp.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 19, item 6: config fields, head_dim, non-finite tensors, tokenizer files.
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("[1, 2]", r"config.json: expected a JSON object, got list"),
+        ('"llama"', r"config.json: expected a JSON object, got str"),
+        ("42", r"config.json: expected a JSON object, got int"),
+        ("null", r"config.json: expected a JSON object, got NoneType"),
+        ("{not json", r"config.json: not valid JSON"),
+    ],
+)
+def test_config_json_must_be_an_object(checkpoint, text, match):
+    (checkpoint / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=match):
+        jm.load(checkpoint)
+
+
+def test_config_json_not_utf8(checkpoint):
+    (checkpoint / "config.json").write_bytes(b"\xff\xfe{\x00")
+    with pytest.raises(ValueError, match=r"config.json: not valid JSON"):
+        jm.load(checkpoint)
+
+
+@pytest.mark.parametrize("kv_heads", [0, -2, 3, 8])
+def test_num_key_value_heads_must_divide_the_heads(checkpoint, kv_heads):
+    _edit_config(checkpoint, num_key_value_heads=kv_heads)
+    with pytest.raises(
+        ValueError,
+        match=r"config.json: num_key_value_heads: expected an integer >= 1 dividing "
+        rf"num_attention_heads=4, got {kv_heads}$",
+    ):
+        jm.load(checkpoint)
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(num_key_value_heads="2"), r"num_key_value_heads: expected an integer, got '2'"),
+        (dict(num_key_value_heads=2.5), r"num_key_value_heads: expected an integer, got 2.5"),
+        (dict(num_key_value_heads=True), r"num_key_value_heads: expected an integer, got True"),
+        (dict(hidden_size="256"), r"hidden_size: expected an integer, got '256'"),
+        (dict(num_attention_heads=0), r"num_attention_heads: expected an integer >= 1, got 0"),
+        (dict(vocab_size=[384]), r"vocab_size: expected an integer, got \[384\]"),
+        (dict(num_hidden_layers=0), r"num_layers: expected an int > 0, got 0"),
+        (dict(rms_norm_eps="tiny"), r"rms_norm_eps: expected a number, got 'tiny'"),
+        (dict(eos_token_id=["</s>"]), r"eos_token_id: expected an integer, got '</s>'"),
+        (dict(architectures="LlamaForCausalLM", vocab_size=None), r"missing required field"),
+        (dict(architectures=[["LlamaForCausalLM"]]), r"architectures: expected a list of str"),
+        (
+            dict(rope_parameters="linear"),
+            r"rope_parameters: expected an object or null, got 'linear'",
+        ),
+        (dict(rope_parameters=dict(rope_type="linear")), r"rope_parameters.factor: missing"),
+        (
+            dict(rope_parameters=None, rope_scaling=dict(type="linear")),
+            r"rope_scaling.factor: missing",
+        ),
+        (
+            dict(rope_parameters=dict(rope_type="llama3", factor=8.0)),
+            r"rope_parameters.original_max_position_embeddings: missing",
+        ),
+        (
+            dict(rope_parameters=dict(rope_type="linear", factor="2")),
+            r"rope_parameters.factor: expected a number, got '2'",
+        ),
+        (
+            dict(head_dim=None, hidden_size=250),
+            r"head_dim: missing, and hidden_size=250 is not a multiple of num_attention_heads=4",
+        ),
+    ],
+)
+def test_config_field_of_the_wrong_kind(checkpoint, changes, match):
+    _edit_config(checkpoint, **changes)
+    with pytest.raises(ValueError, match=r"config.json: " + match):
+        jm.load(checkpoint)
+
+
+def test_integral_float_fields_are_accepted(checkpoint):
+    """JSON has one number type: 2.0 is the integer 2 (some exporters write it so)."""
+    _edit_config(checkpoint, num_key_value_heads=2.0, hidden_size=256.0)
+    model = jm.load(checkpoint)
+    assert (model.config.num_kv_heads, model.config.hidden_size) == (2, 256)
+
+
+@pytest.mark.parametrize(
+    "changes, head_dim",
+    [
+        (dict(head_dim=32), 32),
+        (dict(head_dim=72), 72),
+        (dict(head_dim=512), 512),
+        (dict(head_dim=None, hidden_size=128), 32),  # derived: hidden_size / heads
+    ],
+)
+def test_unsupported_head_dim_refused_before_reading_tensors(
+    checkpoint, monkeypatch, changes, head_dim
+):
+    _edit_config(checkpoint, **changes)
+    monkeypatch.setattr(loading, "_materialize", _never_called)
+    with pytest.raises(
+        ValueError,
+        match=r"config.json: head_dim: expected one of \(64, 80, 96, 128, 256\) \(the head dims "
+        rf"the attention ops support\), got {head_dim}$",
+    ):
+        jm.load(checkpoint)
+
+
+def _never_called(*args, **kwargs):
+    raise AssertionError("tensors were read before the config was checked")
+
+
+def _damage_tensor(checkpoint, name, value, index=(1, 2)):
+    tensors = load_file(checkpoint / "model.safetensors")
+    tensors[name][index] = value
+    save_file(tensors, checkpoint / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_non_finite_tensor_refused_naming_file_and_tensor(checkpoint, value):
+    _damage_tensor(checkpoint, "model.layers.1.self_attn.v_proj.weight", value)
+    with pytest.raises(
+        ValueError,
+        match=r"ckpt/model.safetensors: tensor model.layers.1.self_attn.v_proj.weight: "
+        rf"expected finite values, got 1 NaN/Inf \(first at \[1, 2\]: {value}\); "
+        r"check_finite=False loads it anyway",
+    ):
+        jm.load(checkpoint)
+
+
+def test_non_finite_tensor_loads_with_check_finite_false(checkpoint):
+    _damage_tensor(checkpoint, "model.layers.0.mlp.up_proj.weight", np.nan)
+    model = jm.load(checkpoint, check_finite=False)
+    w = np.asarray(model.params["layers"][0]["w_up"])
+    assert np.isnan(w).sum() == 1
+
+
+def test_float16_overflow_refused(checkpoint):
+    """1e6 is finite in the float32 checkpoint and inf in float16: refused, and said so."""
+    _damage_tensor(checkpoint, "lm_head.weight", 1e6)
+    jm.load(checkpoint, dtype="float32")
+    with pytest.raises(
+        ValueError,
+        match=r"tensor lm_head.weight: expected finite values, got 1 NaN/Inf "
+        r"\(first at \[1, 2\]: 1000000.0 \(overflows float16\)\)",
+    ):
+        jm.load(checkpoint, dtype="float16")
+
+
+def test_non_finite_bfloat16_tensor_refused(checkpoint):
+    import ml_dtypes
+
+    tensors = load_file(checkpoint / "model.safetensors")
+    tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
+    tensors["model.norm.weight"][7] = np.nan
+    save_file(tensors, checkpoint / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"tensor model.norm.weight: expected finite .*\[7\]"):
+        jm.load(checkpoint, dtype="bfloat16")
+
+
+def test_non_finite_tensor_leaves_nothing_on_the_device(checkpoint):
+    """The last tensor is bad: every tensor placed before it is deleted."""
+    jm.load(checkpoint)  # warm up
+    _damage_tensor(checkpoint, "lm_head.weight", np.nan)
+    before = {id(x) for x in jax.live_arrays()}
+    with pytest.raises(ValueError, match="tensor lm_head.weight: expected finite values"):
+        jm.load(checkpoint)
+    assert [x for x in jax.live_arrays() if id(x) not in before] == []
+
+
+def test_default_forwards_check_finite(monkeypatch, tmp_path):
+    seen = {}
+    monkeypatch.setattr(loading, "default_gguf_path", lambda install: tmp_path / "m.gguf")
+    monkeypatch.setattr(loading, "load", lambda path, dtype, **kw: seen.update(kw))
+    jm.default(check_finite=False)
+    assert seen["check_finite"] is False
+
+
+def test_gguf_non_finite_tensor(ref, tmp_path):
+    path = _gguf_with(tmp_path, ref, dict(nan="blk.1.attn_v.weight"))
+    with pytest.raises(
+        ValueError,
+        match=r"bad.gguf: tensor blk.1.attn_v.weight: expected finite values, got 1 NaN/Inf",
+    ):
+        jm.load(path)
+    model = jm.load(path, check_finite=False)
+    assert np.isnan(np.asarray(model.params["layers"][1]["wv"])).sum() == 1
+
+
+@pytest.mark.parametrize("kv_heads", [0, 3])
+def test_gguf_head_count_kv_must_divide_the_heads(ref, tmp_path, kv_heads):
+    path = _gguf_with(tmp_path, ref, dict(set={"llama.attention.head_count_kv": kv_heads}))
+    with pytest.raises(
+        ValueError,
+        match=r"bad.gguf: llama.attention.head_count_kv: expected an integer >= 1 dividing "
+        rf"llama.attention.head_count=4, got {kv_heads}",
+    ):
+        jm.load(path)
+
+
+def test_gguf_unsupported_head_dim(ref, tmp_path):
+    path = _gguf_with(
+        tmp_path,
+        ref,
+        dict(set={"llama.attention.key_length": 32, "llama.rope.dimension_count": 32}),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"bad.gguf: llama.attention.key_length \(head_dim\): expected one of "
+        r"\(64, 80, 96, 128, 256\) .* got 32",
+    ):
+        jm.load(path)
+
+
+def test_gguf_config_error_names_the_file(ref, tmp_path):
+    path = _gguf_with(tmp_path, ref, dict(set={"llama.block_count": 0}))
+    with pytest.raises(ValueError, match=r"bad.gguf: num_layers: expected an int > 0, got 0"):
+        jm.load(path)
+
+
+@pytest.mark.parametrize(
+    "content", [b"{not json", b"{}", b'{"model": {"type": "NoSuchModel"}}', b"\xff\xfe"]
+)
+def test_corrupt_tokenizer_json_names_the_file(checkpoint, monkeypatch, content):
+    (checkpoint / "tokenizer.json").write_bytes(content)
+    monkeypatch.setattr(loading, "_materialize", _never_called)  # refused before the weights
+    with pytest.raises(ValueError, match=r"ckpt/tokenizer.json: not a readable tokenizer \("):
+        jm.load(checkpoint)
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [("{not json", "not valid JSON"), ("[]", "expected a JSON object, got list")],
+)
+def test_corrupt_tokenizer_config_names_the_file(checkpoint, content, match):
+    (checkpoint / "tokenizer_config.json").write_text(content)
+    with pytest.raises(ValueError, match=rf"ckpt/tokenizer_config.json: {match}"):
+        jm.load(checkpoint)
+
+
+def test_shard_index_weight_map_must_be_an_object(hf_checkpoint, tmp_path):
+    src, _ = hf_checkpoint("llama-untied", sharded=True)
+    dst = tmp_path / "sharded"
+    shutil.copytree(src, dst)
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["a"]}))
+    with pytest.raises(
+        ValueError,
+        match=r"model.safetensors.index.json: weight_map: expected an object of tensor name",
+    ):
+        jm.load(dst)
