@@ -214,6 +214,11 @@ class KvCache:
         self.growth_keeps = 0
         self._regions: list[Region] = []
         self._scratch: Region | None = None
+        self._control: Region | None = None
+        # int32 [B], committed_tokens() on the device: the bound a step's kernels write under.
+        # On VMM a view of arena memory the host rewrites in place at growth, so its address
+        # (which the recorded CUDA graph holds) never changes and a kept step is replayed.
+        self.committed: jax.Array | None = None
         self.k: list[jax.Array] = []
         self.v: list[jax.Array] = []
         n0 = max(1, int(initial_tokens))
@@ -225,7 +230,7 @@ class KvCache:
                 model_max_len,
                 bytes_per_token=bindings * self.batch * self.token_bytes,
                 device_free=self.arena.available_bytes(),
-                arena_free=max(0, self.arena.free_va_bytes - bindings * g),
+                arena_free=max(0, self.arena.free_va_bytes - (bindings + 1) * g),
             )
             self.max_len = int(self.plan.reservation_tokens)  # type: ignore[arg-type]
             self._check_hard_max(n0)
@@ -234,12 +239,16 @@ class KvCache:
                     self._regions.append(
                         self.arena.allocate(self.batch * self.max_len * self.token_bytes)
                     )
+                self._control = self.arena.allocate(self.batch * 4)
+                self._control.commit(self.batch * 4)
+                self.committed = self._control.export((self.batch,), jnp.int32)
                 self.capacity = 0
                 self._array_capacity = 0
                 if self.layout == Layout.SEQ_MAJOR:
                     self._array_capacity = self.max_len
                     self._export_all()
                 self._grow_vmm(n0, first=True)
+                self._sync_committed()
             except BaseException:
                 self.close()
                 raise
@@ -257,6 +266,7 @@ class KvCache:
                 self.close()
                 raise
             self.capacity = cap
+            self._sync_committed()
 
     # -- geometry and accounting ---------------------------------------------------------
 
@@ -292,6 +302,13 @@ class KvCache:
         step's kernels write under (gqa_decode's `committed`). Every path commits whole
         capacity steps for all sequences together, so it is the capacity for each row."""
         return np.full((self.batch,), self.capacity, np.int32)
+
+    def _sync_committed(self) -> None:
+        values = np.ascontiguousarray(self.committed_tokens(), np.int32)
+        if self._control is None:
+            self.committed = jnp.asarray(values)
+        else:  # no step is in flight during growth: the write cannot race a kernel's read
+            self.arena.write(self._control.ptr, values.tobytes())
 
     def pointers(self) -> list[int]:
         return [a.unsafe_buffer_pointer() for a in (*self.k, *self.v)]
@@ -388,6 +405,7 @@ class KvCache:
         event = dataclasses.replace(
             event, seconds=time.perf_counter() - t0, committed_bytes=self.committed_bytes
         )
+        self._sync_committed()
         self.growth_events += 1
         self.growth_keeps += int(event.keeps_compiled_step)
         self.bytes_moved_total += event.bytes_moved
@@ -593,8 +611,11 @@ class KvCache:
 
     def close(self) -> None:
         """Drops the arrays and, on VMM, frees the regions (their memory is decommitted)."""
-        arrays = [*self.k, *self.v]
-        self.k, self.v = [], []
+        arrays, committed = [*self.k, *self.v], self.committed
+        self.k, self.v, self.committed = [], [], None
+        if committed is not None and not committed.is_deleted():
+            committed.block_until_ready()
+            committed.delete()  # a view of the control region on VMM: it ends here
         for a in arrays:
             if self.is_vmm:
                 if not a.is_deleted():
@@ -604,11 +625,12 @@ class KvCache:
                 self.arena.release(a)
         del arrays
         if self.is_vmm:
-            regions = [*self._regions, *([self._scratch] if self._scratch else [])]
+            extra = [r for r in (self._scratch, self._control) if r is not None]
+            regions = [*self._regions, *extra]
             self.arena.wait_unviewed(regions)
             for r in regions:
                 r.free()
-            self._regions, self._scratch = [], None
+            self._regions, self._scratch, self._control = [], None, None
 
     def __enter__(self) -> KvCache:
         return self

@@ -44,7 +44,20 @@ class StepStatusError(ValueError):
     NaN and its cache untouched; raised by the host one call late, naming the row."""
 
 
-def _check_status(status: np.ndarray, where: str) -> None:
+def _with_status(tokens: jax.Array, status: jax.Array) -> jax.Array:
+    """The emitted ids [B]: a refused row's status code as a negative id. The status then
+    needs no output buffer of its own (a fresh output per call would be one more address for
+    XLA's recorded CUDA graph to follow) and reaches the host with the tokens, one call late."""
+    return jnp.where(status > 0, -status, tokens)
+
+
+def _check_status(emitted: np.ndarray, where: str) -> None:
+    """emitted: int32 [B] or [n, B] ids from _with_status."""
+    status = (
+        np.where(emitted < 0, -emitted, 0).max(axis=0)
+        if emitted.ndim > 1
+        else -np.minimum(emitted, 0)
+    )
     bad = np.flatnonzero(status)
     if bad.size:
         b, code = int(bad[0]), int(status[bad[0]])
@@ -156,16 +169,6 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
-@jax.jit
-def _write_rows(old: jax.Array, new: jax.Array) -> jax.Array:
-    return old.at[:].set(new)
-
-
-# Donated, so the output lands in `old`'s buffer: a kept step finds its `committed` argument at
-# the address its recorded CUDA graph holds, and XLA replays the graph instead of re-recording.
-_write_rows_in_place = jax.jit(_write_rows.__wrapped__, donate_argnums=0)
-
-
 class Generator:
     """Generates with one jitted, donated decode step per call on a growing KvCache.
 
@@ -241,45 +244,43 @@ class Generator:
             )
             rng, sub = jax.random.split(rng)
             tokens = sample(logits, sub, sampling)
-            return tokens, caches, lengths + new_lengths, committed, status, rng
+            return _with_status(tokens, status), tokens, caches, lengths + new_lengths, rng
 
         return run
 
     def _decode_fn(self, key: StepKey) -> Callable[..., Any]:
         config, layout, sampling = self.model.config, key.layout, key.sampling
 
-        def one(params, tokens, caches, lengths, committed, last, status, rng):
-            logits, caches, step_status = llama.decode_step(
+        def one(params, tokens, caches, lengths, committed, last, rng):
+            logits, caches, status = llama.decode_step(
                 params, config, tokens, caches, lengths, layout=layout, committed=committed
             )
             rng, sub = jax.random.split(rng)
+            tokens = sample(logits, sub, sampling)
             # A row at its last position (max_new_tokens or max_len reached) stays there: its
             # later writes repeat that slot, inside the cap, and the host drops its tokens.
             lengths = jnp.minimum(lengths + 1, last)
-            status = jnp.maximum(status, step_status)
-            return sample(logits, sub, sampling), caches, lengths, status, rng
+            return _with_status(tokens, status), tokens, caches, lengths, rng
 
         def run(params, tokens, caches, lengths, committed, last, rng):
-            status = jnp.zeros_like(lengths)
             if key.num_tokens == 1:
-                tokens, caches, lengths, status, rng = one(
-                    params, tokens, caches, lengths, committed, last, status, rng
+                emitted, tokens, caches, lengths, rng = one(
+                    params, tokens, caches, lengths, committed, last, rng
                 )
-                return tokens[None], tokens, caches, lengths, committed, status, rng
+                return emitted[None], tokens, caches, lengths, rng
 
             def body(carry, _):
-                tokens, caches, lengths, status, rng = carry
-                carry = one(params, tokens, caches, lengths, committed, last, status, rng)
-                return carry, carry[0]
+                emitted, *carry = one(params, *carry[:3], committed, last, carry[3])
+                return tuple(carry), emitted
 
-            (tokens, caches, lengths, status, rng), new = jax.lax.scan(
+            (tokens, caches, lengths, rng), new = jax.lax.scan(
                 body,
-                (tokens, caches, lengths, status, rng),
+                (tokens, caches, lengths, rng),
                 None,
                 length=key.num_tokens,
                 unroll=self.unroll_tokens,
             )
-            return new, tokens, caches, lengths, committed, status, rng
+            return new, tokens, caches, lengths, rng
 
         return run
 
@@ -305,7 +306,8 @@ class Generator:
             # output of its shape: XLA reuses the buffers, so the addresses the recorded CUDA
             # graph holds stay the same from call to call and it is replayed, not re-recorded
             # (a fresh `lengths` buffer per step re-ran every attention handler's host code).
-            donate = (3, 4, 5, 6) if key.kind == "prefill" else (1, 2, 3, 4, 6)
+            # `committed` is not donated: it is the cache's, at a fixed address (KvCache).
+            donate = (3, 4, 6) if key.kind == "prefill" else (1, 2, 3, 6)
             step = jax.jit(counted, donate_argnums=donate)
             t0 = time.perf_counter()
             step.lower(*args).compile()
@@ -452,16 +454,23 @@ class Generator:
         sampling = dataclasses.replace(sampling, seed=0)  # for the step keys
         caches = list(zip(cache.k, cache.v, strict=True))
         lengths = jnp.asarray(cache.lengths)
-        committed = jnp.asarray(cache.committed_tokens())
-        args = (params, jnp.asarray(tokens), jnp.asarray(lens), caches, lengths, committed, rng)
+        args = (
+            params,
+            jnp.asarray(tokens),
+            jnp.asarray(lens),
+            caches,
+            lengths,
+            cache.committed,
+            rng,
+        )
         key = StepKey("prefill", self.layout, cache.array_capacity, B, dtype, T, sampling)
         t0, compile0 = time.perf_counter(), stats.compile_seconds
-        (next_tok, caches, lengths, committed, status, rng), _ = self._call(key, args, stats)
-        first = np.asarray(next_tok)
+        (emitted, next_tok, caches, lengths, rng), _ = self._call(key, args, stats)
+        first = np.asarray(emitted)
         stats.prefill_seconds = time.perf_counter() - t0 - (stats.compile_seconds - compile0)
         stats.prefill_tokens = int(lens.sum())
         self._accept(cache, caches, lens, verify=True)
-        _check_status(np.asarray(status), "prefill")
+        _check_status(first, "prefill")
 
         out: list[list[int]] = [[] for _ in range(B)]
         reasons: list[str | None] = [None] * B
@@ -500,14 +509,13 @@ class Generator:
                 before = (cache.array_capacity, cache.pointers())
                 event = cache.ensure_capacity(need)
                 self._decide(event, before, cache, generated, stats)
-                committed = _write_rows_in_place(committed, cache.committed_tokens())
             caches = list(zip(cache.k, cache.v, strict=True))
-            args = (params, next_tok, caches, lengths, committed, last, rng)
+            args = (params, next_tok, caches, lengths, cache.committed, last, rng)
             key = StepKey("decode", self.layout, cache.array_capacity, B, dtype, n, sampling)
             calls0 = _host_calls()
             t_call = time.perf_counter()
             outputs, compiled = self._call(key, args, stats)
-            new, next_tok, caches, lengths, committed, status, rng = outputs
+            new, next_tok, caches, lengths, rng = outputs
             t_called = time.perf_counter()
             if host_calls is not None:
                 host_calls.append(_host_calls() - calls0)
@@ -516,7 +524,7 @@ class Generator:
             generated += n
             stats.decode_calls += 1
             stats.decode_tokens += min(n, remaining) * B
-            previous, pending = pending, (new, status)
+            previous, pending = pending, new
             if previous is not None:
                 t0 = time.perf_counter()
                 self._take(previous, out, reasons, stop, on_tokens, budget, max_new)
@@ -548,11 +556,11 @@ class Generator:
 
     @classmethod
     def _take(cls, pending, out, reasons, stop, on_tokens, budget, max_new) -> None:
-        """A finished call's outputs, read one call late: its status first (a refused row
-        raises before any of the call's tokens is used), then its tokens."""
-        new, status = pending
-        _check_status(np.asarray(status), "decode")
-        cls._record(np.asarray(new), out, reasons, stop, on_tokens, budget, max_new)
+        """A finished call's tokens, read one call late: a refused row (a negative id, see
+        _with_status) raises before any of the call's tokens is used."""
+        new = np.asarray(pending)
+        _check_status(new, "decode")
+        cls._record(new, out, reasons, stop, on_tokens, budget, max_new)
 
     @staticmethod
     def _record(new: np.ndarray, out, reasons, stop, on_tokens, budget, max_new: int) -> None:

@@ -116,6 +116,13 @@ class CudaDriver:
         desc = self._desc_read_only if read_only else self._desc
         self._check(self._cu.cuMemSetAccess(va, nbytes, desc, 1), "cuMemSetAccess")
 
+    def write(self, dst: int, data: bytes) -> None:
+        """Host bytes to device memory on the driver's stream, then waits for the copy."""
+        self._check(
+            self._cu.cuMemcpyHtoDAsync(dst, data, len(data), self._stream), "cuMemcpyHtoDAsync"
+        )
+        self.finish_copies()
+
     def zero(self, va: int, nbytes: int) -> None:
         """Zeroes mapped read-write bytes on the driver's stream (`finish_copies` waits)."""
         self._check(self._cu.cuMemsetD8Async(va, 0, nbytes, self._stream), "cuMemsetD8Async")
@@ -275,6 +282,9 @@ class HostDriver:
 
     def zero(self, va: int, nbytes: int) -> None:
         ctypes.memset(va, 0, nbytes)
+
+    def write(self, dst: int, data: bytes) -> None:
+        ctypes.memmove(dst, data, len(data))
 
     def synchronize(self) -> None:
         pass

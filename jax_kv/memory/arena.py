@@ -817,6 +817,14 @@ class VmmArena:
             self._state.driver.copy2d(dst, dst_pitch, src, src_pitch, width, height)
             self._counts["copy"] += 1
 
+    def write(self, dst: int, data: bytes) -> None:
+        """Copies host bytes to committed arena memory and waits (no step may be in flight)."""
+        with self._lock:
+            self._check_open()
+            self._state.driver.make_current()
+            self._state.driver.write(dst, data)
+            self._counts["copy"] += 1
+
     def finish_copies(self) -> None:
         self._state.driver.finish_copies()
 
