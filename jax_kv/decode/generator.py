@@ -223,6 +223,9 @@ class Generator:
         self.arena = arena
         self.unroll_tokens = bool(unroll_tokens)
         self._steps: dict[StepKey, Any] = {}
+        # Private, for bench/graph_replay.py only: False compiles steps without the committed
+        # bound and the status (the path before issue 19), to compare their graph replay.
+        self._bound_writes = True
         self._traces = 0
 
     # -- compiled steps -----------------------------------------------------------------------
@@ -231,7 +234,8 @@ class Generator:
         config, layout, sampling = self.model.config, key.layout, key.sampling
 
         def run(params, tokens, new_lengths, caches, lengths, committed, rng):
-            logits, caches, status = llama.prefill(
+            committed = committed if self._bound_writes else None
+            logits, caches, *status = llama.prefill(
                 params,
                 config,
                 tokens,
@@ -244,7 +248,8 @@ class Generator:
             )
             rng, sub = jax.random.split(rng)
             tokens = sample(logits, sub, sampling)
-            return _with_status(tokens, status), tokens, caches, lengths + new_lengths, rng
+            emitted = _with_status(tokens, status[0]) if status else tokens
+            return emitted, tokens, caches, lengths + new_lengths, rng
 
         return run
 
@@ -252,7 +257,8 @@ class Generator:
         config, layout, sampling = self.model.config, key.layout, key.sampling
 
         def one(params, tokens, caches, lengths, committed, last, rng):
-            logits, caches, status = llama.decode_step(
+            committed = committed if self._bound_writes else None
+            logits, caches, *status = llama.decode_step(
                 params, config, tokens, caches, lengths, layout=layout, committed=committed
             )
             rng, sub = jax.random.split(rng)
@@ -260,7 +266,8 @@ class Generator:
             # A row at its last position (max_new_tokens or max_len reached) stays there: its
             # later writes repeat that slot, inside the cap, and the host drops its tokens.
             lengths = jnp.minimum(lengths + 1, last)
-            return _with_status(tokens, status), tokens, caches, lengths, rng
+            emitted = _with_status(tokens, status[0]) if status else tokens
+            return emitted, tokens, caches, lengths, rng
 
         def run(params, tokens, caches, lengths, committed, last, rng):
             if key.num_tokens == 1:
