@@ -50,3 +50,14 @@ def decode_plan(
     batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, itemsize: int
 ) -> tuple[int, int, int]:
     """(num_splits, chunk_multiple, min_chunk) of the selected decode kernel."""
+
+def set_prefill_kernel(kernel: str) -> None:
+    """Selects the prefill kernel from now on: "auto" (wgmma for bf16/f16 at head dims 64 and
+    128 on a compute-capability 9.0 GPU, mma.sync otherwise) or "mma" (mma.sync always); a CUDA
+    graph recorded earlier keeps its kernel."""
+
+def prefill_kernel() -> str:
+    """The prefill kernel setting: "auto" or "mma"."""
+
+def prefill_uses_wgmma(head_dim: int, itemsize: int) -> bool:
+    """Whether the prefill handler launches the wgmma kernel for this head dim and item size."""
