@@ -21,9 +21,9 @@ import numpy as np
 from jax_kv import _ffi
 from jax_kv.cache import KvCache
 from jax_kv.config import runtime_config
+from jax_kv.decode.protocol import DecoderModel
 from jax_kv.decode.sampling import GREEDY, Sampling, sample
 from jax_kv.layout import Layout
-from jax_kv.models import llama
 
 PREFILL_MIN_TOKENS = 16  # prompt lengths are padded to powers of two from here: few compiles
 
@@ -173,7 +173,7 @@ class Generator:
     """Generates with one jitted, donated decode step per call on a growing KvCache.
 
     Args:
-        model: a jax_kv.models.Model (config, params, tokenizer).
+        model: a DecoderModel (jax_kv.decode.protocol), e.g. a jax_kv.models.Model.
         layout: the cache Layout (seq-major keeps its compiled step across VMM growth).
         max_len: hard cap on tokens per sequence (default: the model's
             max_position_embeddings).
@@ -214,10 +214,14 @@ class Generator:
         self.min_bucket = _check_int("min_bucket", self.min_bucket, 1)
         if self.min_bucket & (self.min_bucket - 1):
             raise ValueError(f"min_bucket: expected a power of two >= 1, got {min_bucket!r}")
+        if not isinstance(model, DecoderModel):
+            raise ValueError(
+                f"model: expected a jax_kv.decode.DecoderModel (a jax_kv.models.Model), got "
+                f"{type(model).__name__}"
+            )
         self.model = model
-        self.params = (
-            llama.fuse_projections(model.params) if fuse_projections else model.params
-        )  # the Generator's own pytree: the caller's arrays are shared, never deleted
+        # The Generator's own pytree: the caller's arrays are shared, never deleted.
+        self.params = model.fused_params() if fuse_projections else model.params
         self.layout = Layout.parse(layout)
         self.max_len = max_len
         self.arena = arena
@@ -231,13 +235,12 @@ class Generator:
     # -- compiled steps -----------------------------------------------------------------------
 
     def _prefill_fn(self, key: StepKey) -> Callable[..., Any]:
-        config, layout, sampling = self.model.config, key.layout, key.sampling
+        model, layout, sampling = self.model, key.layout, key.sampling
 
         def run(params, tokens, new_lengths, caches, lengths, committed, rng):
             committed = committed if self._bound_writes else None
-            logits, caches, *status = llama.prefill(
+            logits, caches, *status = model.prefill(
                 params,
-                config,
                 tokens,
                 new_lengths,
                 caches,
@@ -254,12 +257,12 @@ class Generator:
         return run
 
     def _decode_fn(self, key: StepKey) -> Callable[..., Any]:
-        config, layout, sampling = self.model.config, key.layout, key.sampling
+        model, layout, sampling = self.model, key.layout, key.sampling
 
         def one(params, tokens, caches, lengths, committed, last, rng):
             committed = committed if self._bound_writes else None
-            logits, caches, *status = llama.decode_step(
-                params, config, tokens, caches, lengths, layout=layout, committed=committed
+            logits, caches, *status = model.decode_step(
+                params, tokens, caches, lengths, layout=layout, committed=committed
             )
             rng, sub = jax.random.split(rng)
             tokens = sample(logits, sub, sampling)

@@ -12,12 +12,7 @@ loaders, the embedded default model (SmolLM2-135M-Instruct) and seeded random mo
 
 from jax_kv.models import llama
 from jax_kv.models.config import PRESETS, ModelConfig, RopeScaling, from_hf_config, preset
-from jax_kv.models.llama import (
-    decode_step,
-    generate_greedy,
-    init_caches,
-    prefill,
-)
+from jax_kv.models.llama import decode_step, init_caches, prefill
 from jax_kv.models.loading import default, default_gguf_path, load, random_model
 from jax_kv.models.model import Model, render_chat
 
@@ -30,7 +25,6 @@ __all__ = [
     "default",
     "default_gguf_path",
     "from_hf_config",
-    "generate_greedy",
     "init_caches",
     "llama",
     "load",

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -358,73 +358,6 @@ def init_caches(
     return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)]
 
 
-def generate_greedy(
-    params: Params,
-    config: ModelConfig,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    *,
-    layout: Layout | str | int = Layout.SEQ_MAJOR,
-    capacity: int | None = None,
-    stop_tokens: Sequence[int] = (),
-) -> list[list[int]]:
-    """Greedy decoding of a batch of (ragged) prompts: one prefill, then decode steps.
-
-    The simple reference loop (static cache of `capacity` slots, one host sync per token)
-    for tests and demos; jax_kv.decode's Generator is the real one. A row stops after
-    emitting a token in `stop_tokens` (that token is kept).
-
-    Returns the new tokens of each prompt.
-    """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("prompts: expected one or more non-empty token lists")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
-    layout = Layout.parse(layout)
-    B, T = len(prompts), max(len(p) for p in prompts)
-    needed = T + max_new_tokens
-    capacity = needed if capacity is None else capacity
-    if capacity < needed:
-        raise ValueError(
-            f"capacity: expected >= longest prompt + max_new_tokens = {needed}, got {capacity}"
-        )
-    tokens = np.zeros((B, T), np.int32)
-    for b, p in enumerate(prompts):
-        tokens[b, : len(p)] = p
-    new_lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    dtype = params["embed"].dtype
-    caches = init_caches(config, B, capacity, layout=layout, dtype=dtype)
-    lengths = jnp.zeros((B,), jnp.int32)
-    logits, caches = prefill_jit(
-        params,
-        config,
-        jnp.asarray(tokens),
-        new_lengths,
-        caches,
-        lengths,
-        layout=layout,
-        last_only=True,
-    )
-    lengths = lengths + new_lengths
-    next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    out: list[list[int]] = [[] for _ in range(B)]
-    done = [False] * B
-    stop = set(stop_tokens)
-    for step in range(max_new_tokens):
-        for b, t in enumerate(np.asarray(next_tokens).tolist()):
-            if not done[b]:
-                out[b].append(t)
-                done[b] = t in stop
-        if all(done) or step == max_new_tokens - 1:
-            break
-        logits, caches = decode_step_jit(
-            params, config, next_tokens, caches, lengths, layout=layout
-        )
-        lengths = lengths + 1
-        next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return out
-
-
 @functools.partial(jax.jit, static_argnames=("shape", "dtype", "scale"))
 def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any, scale: float) -> jax.Array:
     return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
@@ -465,7 +398,6 @@ __all__ = [
     "apply_rope",
     "decode_step",
     "decode_step_jit",
-    "generate_greedy",
     "init_caches",
     "param_shapes",
     "prefill",

@@ -75,12 +75,37 @@ class Model:
         layout: Layout | str | int = Layout.SEQ_MAJOR,
         stop_at_eos: bool = True,
     ) -> list[int]:
-        """Greedy new tokens after one prompt (text or ids), via llama.generate_greedy."""
-        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        """Greedy new tokens after one prompt (text or ids): a Generator call, the one loop."""
+        from jax_kv.decode import Generator  # the loop sits below the models in the layers
+
         stop = self.config.eos_token_ids if stop_at_eos else ()
-        return llama.generate_greedy(
-            self.params, self.config, [ids], max_new_tokens, layout=layout, stop_tokens=stop
-        )[0]
+        result = Generator(self, layout=layout).generate([prompt], max_new_tokens, stop_tokens=stop)
+        return result.tokens[0]
+
+    # -- the decoder interface the Generator runs (jax_kv.decode.DecoderModel) -----------------
+
+    def prefill(
+        self,
+        params: llama.Params,
+        tokens: Any,
+        new_lengths: Any,
+        caches: Any,
+        lengths: Any,
+        **kw: Any,
+    ) -> tuple:
+        """llama.prefill with this model's config: T new tokens per sequence."""
+        return llama.prefill(params, self.config, tokens, new_lengths, caches, lengths, **kw)
+
+    def decode_step(
+        self, params: llama.Params, tokens: Any, caches: Any, lengths: Any, **kw: Any
+    ) -> tuple:
+        """llama.decode_step with this model's config: one token per sequence."""
+        return llama.decode_step(params, self.config, tokens, caches, lengths, **kw)
+
+    def fused_params(self) -> llama.Params:
+        """The params with one q/k/v and one gate/up matmul per layer, as a new pytree that
+        shares every other array: nothing of `self.params` is modified or deleted."""
+        return llama.fuse_projections(self.params)
 
     def fuse_projections(self) -> None:
         """Rewrites params in place to the fused form (llama.fuse_projections): same outputs,

@@ -232,14 +232,6 @@ def test_wrong_number_of_caches():
         )
 
 
-def test_generate_greedy_arguments():
-    model = jm.random_model("tiny-llama")
-    with pytest.raises(ValueError, match="prompts: expected one or more non-empty"):
-        llama.generate_greedy(model.params, model.config, [[]], 4)
-    with pytest.raises(ValueError, match="capacity: expected >= .* = 7"):
-        llama.generate_greedy(model.params, model.config, [[1, 2, 3]], 4, capacity=6)
-
-
 def test_chat_fallback_without_jinja2(monkeypatch):
     import sys
 

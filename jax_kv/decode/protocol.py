@@ -1,0 +1,51 @@
+"""DecoderModel: what the generation loop needs of a model, and nothing more (DESIGN.md,
+Decode loop). A second model family plugs in by providing these, without touching the loop."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class DecoderModel(Protocol):
+    """A decoder over per-layer caches the loop owns.
+
+    config: read for the cache geometry and the limits: num_layers, num_kv_heads, head_dim,
+        vocab_size, max_position_embeddings (None: unbounded), eos_token_ids.
+    params: the weights pytree, passed back to prefill / decode_step as their first argument
+        (an argument of the jitted step, not a constant baked into it).
+    dtype: the activations' and the caches' dtype.
+    tokenizer: a `tokenizers.Tokenizer` or None (then prompts are token ids).
+
+    prefill(params, tokens [B, T], new_lengths [B], caches, lengths [B], *, layout, last_only,
+        committed) -> (logits [B, V] (last_only) or [B, T, V], caches, status [B]) with
+        `committed` given: T new tokens per sequence appended at lengths[b] (jax_kv.gqa_prefill's
+        contract, writes bounded by committed[b]), logits in float32.
+    decode_step(params, tokens [B], caches, lengths [B], *, layout, committed)
+        -> (logits [B, V], caches, status [B]): one token per sequence at lengths[b].
+    Both run inside jax.jit with the caches donated: per layer (k_cache, v_cache) in `layout`.
+    """
+
+    config: Any
+    params: Any
+    tokenizer: Any
+
+    @property
+    def dtype(self) -> Any: ...
+
+    def prefill(
+        self, params: Any, tokens: Any, new_lengths: Any, caches: Any, lengths: Any, **kw: Any
+    ) -> tuple: ...
+
+    def decode_step(
+        self, params: Any, tokens: Any, caches: Any, lengths: Any, **kw: Any
+    ) -> tuple: ...
+
+    def fused_params(self) -> Any:
+        """Params the steps run faster on (same outputs), without modifying `params`."""
+        ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
