@@ -266,7 +266,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="tokens per sequence, prompt included (default: the model's)",
     )
-    g.add_argument("--min-bucket", type=_power_of_two, default=256, metavar="N")
+    g.add_argument(
+        "--min-bucket",
+        type=_power_of_two,
+        default=None,
+        metavar="N",
+        help="capacity floor and bucket base (default: JAX_KV_MIN_BUCKET, else 256)",
+    )
     g.add_argument("--tokens-per-call", type=_int_arg(1), default=1, metavar="K")
     g.add_argument(
         "--arena",
