@@ -39,18 +39,16 @@ from jax_kv.models import llama
 from jax_kv.ops.matvec import xla_matvec
 from jax_kv.ops.xla_attention import xla_gqa_decode, xla_gqa_prefill
 
-# "@k": k decode steps per jitted call (Generator(tokens_per_call=k)), "@ku" the same unrolled
-# (unroll_tokens=True); "+kN": CUDA decode kernel N (default: JAX_KV_DECODE_KERNEL, else 3).
+# "@k": k decode steps per jitted call (Generator(tokens_per_call=k)); "+kN": CUDA decode kernel
+# N (default: JAX_KV_DECODE_KERNEL, else 3). The unrolled variant "@ku" is on branch
+# unroll-tokens (measured slower: bench/NOTES.md).
 IMPLS = ("jax_kv-seq", "jax_kv-head", "jax_kv-seq@8", "plain-jax", "transformers")
 MODELS = ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3-8b")
 
 
 def call_options(per_call: str) -> dict:
-    """Generator keywords of an impl's "@..." part: "" -> one token per call, "8" -> 8, "8u" ->
-    8 unrolled."""
-    return dict(
-        tokens_per_call=int(per_call.removesuffix("u") or 1), unroll_tokens=per_call.endswith("u")
-    )
+    """Generator keywords of an impl's "@..." part: "" -> one token per call, "8" -> 8."""
+    return dict(tokens_per_call=int(per_call or 1))
 
 
 def run_generator(

@@ -181,10 +181,6 @@ class Generator:
             256).
         arena: a VmmArena or EagerArena (default: VMM on CUDA, eager elsewhere).
         tokens_per_call: decode steps per jitted call when no growth can happen inside it.
-        unroll_tokens: trace those steps straight-line instead of as a loop (lax.scan with
-            unroll): XLA then launches one graph per call instead of one per step, at a compile
-            time that grows with tokens_per_call. Slower on the H200 (bench/NOTES.md: the
-            launch cost of a graph grows with its nodes); kept for the comparison.
         fuse_projections: run one q/k/v and one gate/up matmul per layer (same outputs,
             fewer and larger kernels). The fused weights are the Generator's own copy: the
             caller's params are never modified or deleted (an unfused model therefore holds
@@ -204,7 +200,6 @@ class Generator:
         min_bucket: int | None = None,
         arena: Any = None,
         tokens_per_call: int = 1,
-        unroll_tokens: bool = False,
         fuse_projections: bool = True,
     ) -> None:
         self.tokens_per_call = _check_int("tokens_per_call", tokens_per_call, 1)
@@ -225,7 +220,6 @@ class Generator:
         self.layout = Layout.parse(layout)
         self.max_len = max_len
         self.arena = arena
-        self.unroll_tokens = bool(unroll_tokens)
         self._steps: dict[StepKey, Any] = {}
         # Private, for bench/graph_replay.py only: False compiles steps without the committed
         # bound and the status (the path before issue 19), to compare their graph replay.
@@ -288,7 +282,6 @@ class Generator:
                 (tokens, caches, lengths, rng),
                 None,
                 length=key.num_tokens,
-                unroll=self.unroll_tokens,
             )
             return new, tokens, caches, lengths, rng
 

@@ -29,14 +29,13 @@ def test_matches_the_reference_loop(model):
     assert s.host_overhead_us_per_step == s.host_overhead_us > 0
 
 
-@pytest.mark.parametrize("unroll", [False, True], ids=["loop", "unrolled"])
 @pytest.mark.parametrize("k", [3, 4])
-def test_tokens_per_call(model, k, unroll):
-    """k decode steps inside one jitted call (lax.scan, looped or unrolled), growth only
+def test_tokens_per_call(model, k):
+    """k decode steps inside one jitted call (lax.scan), growth only
     between calls."""
     one = Generator(model, min_bucket=8).generate(PROMPTS, 21, stop_tokens=())
     seen = []
-    many = Generator(model, min_bucket=8, tokens_per_call=k, unroll_tokens=unroll).generate(
+    many = Generator(model, min_bucket=8, tokens_per_call=k).generate(
         PROMPTS, 21, stop_tokens=(), on_tokens=seen.append
     )
     assert many.tokens == one.tokens
@@ -46,7 +45,7 @@ def test_tokens_per_call(model, k, unroll):
     # tokens are neither counted nor streamed.
     s = many.stats
     whole = 1 + k * -(-20 // k)
-    no_tail = Generator(model, min_bucket=8, tokens_per_call=k, unroll_tokens=unroll).generate(
+    no_tail = Generator(model, min_bucket=8, tokens_per_call=k).generate(
         PROMPTS, whole, stop_tokens=()
     )
     assert s.captures == no_tail.stats.captures and s.decode_calls == -(-20 // k)
