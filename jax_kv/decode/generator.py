@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kv import _ffi
-from jax_kv.cache import KvCache
+from jax_kv.cache import KvCache, bucket_for
 from jax_kv.config import runtime_config
 from jax_kv.decode.protocol import DecoderModel
 from jax_kv.decode.sampling import GREEDY, Sampling, sample
@@ -153,10 +153,6 @@ def _host_calls() -> int | None:
     if cuda is None or not hasattr(cuda, "host_calls"):
         return None
     return int(sum(cuda.host_calls().values()))
-
-
-def _bucket(n: int, floor: int) -> int:
-    return max(floor, 1 << (max(1, n) - 1).bit_length())
 
 
 def _limit_reason(budget: int, max_new: int) -> str:
@@ -403,7 +399,7 @@ class Generator:
         budget = (
             np.full((B,), max_new, np.int64) if cap is None else np.minimum(max_new, cap - lens)
         )
-        T = _bucket(int(lens.max()), PREFILL_MIN_TOKENS)
+        T = bucket_for(int(lens.max()), PREFILL_MIN_TOKENS)
         stats = GenerationStats(layout=self.layout.name)
         cache = self.make_cache(B, int(lens.max()))
         try:
