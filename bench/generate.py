@@ -1,6 +1,6 @@
 """End-to-end decode tokens/s on random-weight models, in one run: the jax_kv Generator
 (seq-major and head-major, VMM arena on CUDA), a plain-JAX static-cache loop (a max_len cache,
-XLA masked attention and XLA's dots (jax_kv.ops.matvec.xla_matvec), the same model code
+XLA masked attention and XLA's dots (jax_kv.models.projection.project), the same model code
 otherwise, one jitted donated step per token) and
 transformers (PyTorch, bf16, static cache); plus committed KV memory against a static cache.
 
@@ -36,7 +36,7 @@ from jax_kv.decode import Generator
 from jax_kv.decode.sampling import argmax_rows
 from jax_kv.layout import Layout
 from jax_kv.models import llama
-from jax_kv.ops.matvec import xla_matvec
+from jax_kv.models.projection import project
 from jax_kv.ops.xla_attention import xla_gqa_decode, xla_gqa_prefill
 
 # "@k": k decode steps per jitted call (Generator(tokens_per_call=k)); "+kN": CUDA decode kernel
@@ -110,7 +110,7 @@ def plain_jax_loop(model, prompts: np.ndarray, static_len: int):
             layout=layout,
             last_only=True,
             attention=xla_gqa_prefill,
-            projection=xla_matvec,
+            projection=project,
         ),
         donate_argnames=("caches",),
     )
@@ -125,7 +125,7 @@ def plain_jax_loop(model, prompts: np.ndarray, static_len: int):
             lengths,
             layout=layout,
             attention=xla_gqa_decode,
-            projection=xla_matvec,
+            projection=project,
         )
         return argmax_rows(logits), caches, lengths + 1
 

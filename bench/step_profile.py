@@ -34,8 +34,8 @@ VARIANTS = {
     "cmdbuf-while": "--xla_gpu_graph_min_graph_size=1 --xla_gpu_enable_command_buffer="
     "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
 }
-# A variant name may end in "+kN": the same XLA flags with JAX_KV_DECODE_KERNEL=N; "+mv" /
-# "+nomv": with JAX_KV_MATVEC=on / off (the projections as the CUDA matvec / XLA's dots).
+# A variant name may end in "+kN": the same XLA flags with JAX_KV_DECODE_KERNEL=N. (The "+mv"
+# variants of the CUDA matvec are on branch cuda-matvec.)
 
 
 MAX_GAP_NS = 20_000
@@ -206,9 +206,7 @@ def main() -> None:
                 flags += f" --xla_dump_to={dump}"
             env = dict(os.environ, XLA_FLAGS=flags.strip())
             for suffix in suffixes:
-                if suffix in ("mv", "nomv"):
-                    env["JAX_KV_MATVEC"] = "on" if suffix == "mv" else "off"
-                elif suffix.startswith("k"):
+                if suffix.startswith("k"):
                     env["JAX_KV_DECODE_KERNEL"] = suffix[1:]
                 else:
                     raise SystemExit(f"variant {variant}: unknown suffix +{suffix}")

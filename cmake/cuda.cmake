@@ -14,7 +14,6 @@ nanobind_add_module(_ffi_cuda NB_STATIC
   ffi/gqa_decode.cc
   ffi/gqa_prefill.cc
   ffi/grow_cache.cc
-  ffi/matvec.cc
   cuda/device_info.cu
   cuda/gqa_decode.cu
   cuda/gqa_decode_v2.cu
@@ -23,8 +22,7 @@ nanobind_add_module(_ffi_cuda NB_STATIC
   cuda/gqa_decode_mma.cu
   cuda/gqa_prefill.cu
   cuda/gqa_prefill_wgmma.cu
-  cuda/grow_cache.cu
-  cuda/matvec.cu)
+  cuda/grow_cache.cu)
 target_include_directories(_ffi_cuda PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}")
 target_include_directories(_ffi_cuda SYSTEM PRIVATE "${XLA_FFI_INCLUDE_DIR}")
 # Handlers see CUDA's bf16/f16 types, the same ones the kernels are instantiated for.

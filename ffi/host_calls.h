@@ -9,13 +9,8 @@
 
 namespace jax_kv {
 
-enum HostCallTarget : int {
-  kHostCallDecode = 0,
-  kHostCallPrefill = 1,
-  kHostCallGrow = 2,
-  kHostCallMatvec = 3
-};
-constexpr int kNumHostCallTargets = 4;
+enum HostCallTarget : int { kHostCallDecode = 0, kHostCallPrefill = 1, kHostCallGrow = 2 };
+constexpr int kNumHostCallTargets = 3;
 
 // Defined in module_cuda.cc.
 extern std::atomic<int64_t> g_host_calls[kNumHostCallTargets];

@@ -19,7 +19,6 @@
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvGqaDecodeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvGqaPrefillCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvGrowCacheCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvMatvecCuda);
 
 namespace jax_kv {
 std::atomic<int64_t> g_host_calls[kNumHostCallTargets];
@@ -35,7 +34,7 @@ static nb::capsule Capsule(Fn* fn) {
 }
 
 static const char* const kTargetNames[jax_kv::kNumHostCallTargets] = {
-    "jax_kv_gqa_decode", "jax_kv_gqa_prefill", "jax_kv_grow_cache", "jax_kv_matvec"};
+    "jax_kv_gqa_decode", "jax_kv_gqa_prefill", "jax_kv_grow_cache"};
 
 NB_MODULE(_ffi_cuda, m) {
   m.doc() = "jax_kv CUDA handlers (XLA FFI, command-buffer compatible)";
@@ -44,7 +43,6 @@ NB_MODULE(_ffi_cuda, m) {
     d["jax_kv_gqa_decode"] = Capsule(JaxKvGqaDecodeCuda);
     d["jax_kv_gqa_prefill"] = Capsule(JaxKvGqaPrefillCuda);
     d["jax_kv_grow_cache"] = Capsule(JaxKvGrowCacheCuda);
-    d["jax_kv_matvec"] = Capsule(JaxKvMatvecCuda);
     return d;
   });
   m.def(

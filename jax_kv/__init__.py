@@ -4,7 +4,7 @@ that read only the live tokens, and a generation loop whose compiled step surviv
 from jax_kv.cache import GrowthEvent, KvCache
 from jax_kv.decode import GenerationResult, GenerationStats, Generator, Sampling
 from jax_kv.layout import KvStrides, Layout
-from jax_kv.ops import gqa_decode, gqa_prefill, grow_cache, matvec
+from jax_kv.ops import gqa_decode, gqa_prefill, grow_cache
 
 __version__ = "0.1.0.dev0"
 
@@ -20,6 +20,5 @@ __all__ = [
     "gqa_decode",
     "gqa_prefill",
     "grow_cache",
-    "matvec",
     "__version__",
 ]

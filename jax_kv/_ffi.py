@@ -13,8 +13,6 @@ from types import ModuleType
 
 import jax
 
-TARGETS = ("jax_kv_gqa_decode", "jax_kv_gqa_prefill", "jax_kv_grow_cache")
-
 
 @functools.cache
 def register() -> None:

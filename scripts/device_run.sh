@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # One device call: build the CUDA module, run the GPU tests, run the benchmarks. Logs go to
 # $OUT (or ./device-out). Each stage has its own time limit so the whole fits one call.
-#   bash scripts/device_run.sh [stages...]   stages: build ops ops-off gen cache attn generate profile san matvec
-#     matvec-shapes prefill-profile failsafe vmm-san soak
+#   bash scripts/device_run.sh [stages...]   stages: build ops ops-off gen cache attn generate profile san
+#     prefill-profile failsafe vmm-san soak
 # GEN_MODELS, GEN_BATCH, GEN_TOKENS, GEN_IMPLS, GEN_TIMEOUT set bench/generate.py's run.
 # ATTN_ARGS passes options to bench/attention.py (e.g. "--decode-kernel both"), ATTN_TIMEOUT
 # its time limit in seconds (200); PROF_ARGS / PROF_TIMEOUT the same for bench/step_profile.py;
-# MVS_MODELS / MVS_TIMEOUT for bench/matvec_shapes.py.
 # The device's copy of .git can be stale: pass JAX_KV_COMMIT=$(git rev-parse --short HEAD) from
 # the checkout so the benchmarks' JSON names the tree that ran.
 set -uo pipefail
@@ -81,11 +80,6 @@ for s in $STAGES; do
       stage "bench/soak.py"
       timeout -k 10 ${SOAK_TIMEOUT:-200} python3 bench/soak.py --steps ${SOAK_STEPS:-20000} --out "$OUT" 2>&1 \
         | tee "$OUT/soak.log" | tail -14 ;;
-    matvec-shapes)
-      stage "bench/matvec_shapes.py --time"
-      timeout -k 10 ${MVS_TIMEOUT:-150} python3 bench/matvec_shapes.py --time --out "$OUT" \
-        --model ${MVS_MODELS:-qwen2.5-0.5b,qwen2.5-1.5b,llama-3-8b} 2>&1 \
-        | tee "$OUT/matvec_shapes.log" | tail -16 ;;
     prefill-profile)
       # No package build needed: bench/prefill_profile.cu links the prefill kernels alone.
       stage "bench/prefill_profile.cu (+ ncu on the default wgmma kernel)"
@@ -98,11 +92,6 @@ for s in $STAGES; do
       ncu --import /tmp/prefill_prof.ncu-rep --page details > "$OUT/ncu_prefill_details.txt" 2>&1
       grep -E "Duration|SM Frequency|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Tensor" \
         "$OUT/ncu_prefill_details.txt" | head -20 ;;
-    matvec)
-      stage "matvec tests under compute-sanitizer memcheck"
-      XLA_FLAGS=--xla_gpu_graph_min_graph_size=1 timeout -k 10 150 compute-sanitizer --tool memcheck \
-        --print-limit 20 python3 -m pytest -m gpu tests/ops/test_gpu_matvec.py -q -p no:cacheprovider \
-        -p no:benchmark 2>&1 | tee "$OUT/matvec.log" | tail -6 ;;
   esac
 done
 stage done

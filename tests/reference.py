@@ -107,27 +107,6 @@ def round_to(v, dtype_name: str) -> np.ndarray:
     return np.asarray(v, np.float64).astype(dt).astype(np.float64)
 
 
-def matvec_ref(x, w, b=None, *, norm=None, eps=1e-6, activation=None, residual=None):
-    """float64 y of jax_kv.matvec: x [M, K], w [N, K] or [2N, K]; rounded to x's dtype where
-    the op's contract says (after the norm's two steps, after the projection, after each
-    SwiGLU step, after the residual add): one dot in float64, the rest elementwise."""
-    name = np.asarray(x).dtype.name
-    f = lambda a: None if a is None else np.asarray(a, np.float64)  # noqa: E731
-    x, w, b, norm, residual = f(x), f(w), f(b), f(norm), f(residual)
-    if norm is not None:
-        inv = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
-        x = round_to(norm * round_to(x * inv, name), name)
-    y = x @ w.T + (0.0 if b is None else b)
-    y = round_to(y, name)
-    if activation == "swiglu":
-        gate, up = np.split(y, 2, axis=-1)
-        sig = round_to(1.0 / (1.0 + np.exp(-gate)), name)
-        y = round_to(round_to(gate * sig, name) * up, name)
-    if residual is not None:
-        y = round_to(residual + y, name)
-    return y
-
-
 def assert_close(actual, expected, dtype_name: str, what: str = "out") -> float:
     """Tolerance by dtype; NaN never passes. Returns max |error| for reports."""
     a = np.asarray(actual, np.float64)

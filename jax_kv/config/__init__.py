@@ -83,13 +83,6 @@ def _prefill_kernel(name: str, raw: str) -> str:
     return value
 
 
-def _on_off(name: str, raw: str) -> bool:
-    value = raw.strip().lower()
-    if value not in ("1", "0", "on", "off"):
-        raise ConfigError(f"{name}: expected 1, 0, on or off, got {raw!r}")
-    return value in ("1", "on")
-
-
 def _pool_bytes(name: str, raw: str) -> int:
     if raw.strip() == "0":
         return 0
@@ -120,10 +113,6 @@ class RuntimeConfig:
         "auto" (the default: the wgmma kernel for bf16/f16 at head dims 64 and 128 on a
         compute-capability 9.0 GPU, the mma.sync kernel otherwise) or "mma" (mma.sync always).
         Applied like decode_kernel (`_ffi_cuda.set_prefill_kernel` changes it later).
-    matvec: JAX_KV_MATVEC, on: the models' projections at B * T <= 4 rows run as the CUDA
-        matvec kernel with the norm, SwiGLU and residual folded in; off (the default): XLA's
-        dots, faster on the H200 at Qwen2.5-0.5B (1275 vs 1184 tok/s) and a tie at Llama-3-8B
-        (bench/NOTES.md).
     """
 
     min_bucket: int = 256
@@ -132,7 +121,6 @@ class RuntimeConfig:
     commit_ahead: int | None = None
     pool_bytes: int = 64 << 20
     decode_kernel: int = 3
-    matvec: bool = False
     prefill_kernel: str = "auto"
 
 
@@ -145,7 +133,6 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "JAX_KV_COMMIT_AHEAD": ("commit_ahead", _commit_ahead),
     "JAX_KV_POOL_BYTES": ("pool_bytes", _pool_bytes),
     "JAX_KV_DECODE_KERNEL": ("decode_kernel", _decode_kernel),
-    "JAX_KV_MATVEC": ("matvec", _on_off),
     "JAX_KV_PREFILL_KERNEL": ("prefill_kernel", _prefill_kernel),
 }
 

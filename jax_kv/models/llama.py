@@ -41,8 +41,8 @@ import numpy as np
 
 from jax_kv.layout import Layout
 from jax_kv.models.config import ModelConfig
+from jax_kv.models.projection import project
 from jax_kv.ops import gqa_decode, gqa_prefill
-from jax_kv.ops.matvec import model_projection
 from jax_kv.ops.norm import rms_norm
 
 Params = dict[str, Any]
@@ -145,7 +145,7 @@ def _qkv(
 
 def _mlp(p: Params, config: ModelConfig, x: jax.Array, projection: Callable) -> jax.Array:
     """x + down(silu(gate(h)) * up(h)) with h = rms_norm(x, mlp_norm): with fused gate/up
-    weights the norm, the SwiGLU and the residual add ride in the two matvecs."""
+    weights the norm, the SwiGLU and the residual add ride in the two projections."""
     norm, eps = p["mlp_norm"], config.rms_norm_eps
     if "w_gate_up" in p:
         h = projection(x, p["w_gate_up"], norm=norm, eps=eps, activation="swiglu")
@@ -215,9 +215,8 @@ def prefill(
         last_only: return only the logits of each row's last real token.
         attention: gqa_prefill, or a function of the same contract (the benchmarks' plain-JAX
             comparator, jax_kv.ops.xla_attention.xla_gqa_prefill).
-        projection: matvec, or a function of its contract (the plain-JAX comparator's
-            jax_kv.ops.matvec.xla_matvec: XLA's dots and elementwise ops); None:
-            jax_kv.ops.matvec.model_projection() (JAX_KV_MATVEC).
+        projection: a function of jax_kv.models.projection.project's contract (None: project,
+            XLA's dots and elementwise ops).
         committed: int32 [B], positions backed by committed cache memory (gqa_prefill's
             `committed`). When given, the status path is on: the attention calls return
             their status and the result carries its per-row maximum over layers.
@@ -233,7 +232,7 @@ def prefill(
             f"caches: expected {config.num_layers} (k_cache, v_cache) pairs "
             f"(one per layer), got {len(caches)}"
         )
-    projection = projection or model_projection()
+    projection = projection or project
     positions = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
     x = jnp.take(params["embed"], tokens, axis=0)  # [B, T, H]
     out_caches: Caches = []
@@ -278,9 +277,8 @@ def decode_step(
     """One token per sequence: tokens int32 [B] at positions lengths [B] (< S).
 
     `attention` is gqa_decode or a function of the same contract (the benchmarks' plain-JAX
-    comparator, jax_kv.ops.xla_attention.xla_gqa_decode); `projection` is matvec or one of
-    its contract (the comparator's jax_kv.ops.matvec.xla_matvec); None picks by
-    JAX_KV_MATVEC (jax_kv.ops.matvec.model_projection).
+    comparator, jax_kv.ops.xla_attention.xla_gqa_decode); `projection` is one of
+    jax_kv.models.projection.project's contract (None: project).
 
     `committed` (int32 [B]) bounds the cache writes and turns the status path on, as in
     `prefill`. Returns (float32 logits [B, V], caches), plus status int32 [B] when `committed`
@@ -292,7 +290,7 @@ def decode_step(
             f"caches: expected {config.num_layers} (k_cache, v_cache) pairs "
             f"(one per layer), got {len(caches)}"
         )
-    projection = projection or model_projection()
+    projection = projection or project
     positions = lengths[:, None]  # [B, 1]
     x = jnp.take(params["embed"], tokens, axis=0)[:, None, :]  # [B, 1, H]
     out_caches: Caches = []

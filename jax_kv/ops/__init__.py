@@ -3,6 +3,5 @@
 from jax_kv.ops.gqa_decode import gqa_decode
 from jax_kv.ops.gqa_prefill import gqa_prefill
 from jax_kv.ops.grow_cache import grow_cache
-from jax_kv.ops.matvec import matvec
 
-__all__ = ["gqa_decode", "gqa_prefill", "grow_cache", "matvec"]
+__all__ = ["gqa_decode", "gqa_prefill", "grow_cache"]

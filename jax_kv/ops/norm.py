@@ -1,5 +1,5 @@
-"""RMSNorm as transformers computes it, the one definition the models and matvec's fused
-prologue (jax_kv.ops.matvec, norm=) both follow."""
+"""RMSNorm as transformers computes it, the one definition the models' layers and their
+projection's norm prologue (jax_kv.models.projection, norm=) both follow."""
 
 from __future__ import annotations
 

@@ -37,14 +37,12 @@ def test_parses_each_variable():
         "JAX_KV_COMMIT_AHEAD": "128",
         "JAX_KV_POOL_BYTES": "0",
         "JAX_KV_DECODE_KERNEL": "1",
-        "JAX_KV_MATVEC": "on",
         "JAX_KV_PREFILL_KERNEL": "MMA",
     }
     assert set(env) == set(variables())
-    assert from_env(env) == RuntimeConfig(64, "eager", 64 << 30, 128, 0, 1, True, "mma")
+    assert from_env(env) == RuntimeConfig(64, "eager", 64 << 30, 128, 0, 1, "mma")
     assert RuntimeConfig().prefill_kernel == "auto"
     assert RuntimeConfig().decode_kernel == 3
-    assert RuntimeConfig().matvec is False
 
 
 @pytest.mark.parametrize(
@@ -58,7 +56,6 @@ def test_parses_each_variable():
         ("JAX_KV_COMMIT_AHEAD", "0"),
         ("JAX_KV_DECODE_KERNEL", "4"),
         ("JAX_KV_DECODE_KERNEL", "v2"),
-        ("JAX_KV_MATVEC", "yes"),
         ("JAX_KV_PREFILL_KERNEL", "wgmma"),
     ],
 )

@@ -46,11 +46,6 @@ CASES = {
         "print(a.pool_target, a.refill_pool())",
         f"{256 << 10} 4",
     ),
-    "JAX_KV_MATVEC": (
-        "on",
-        "from jax_kv.ops.matvec import model_projection; print(model_projection().__name__)",
-        "matvec",
-    ),
 }
 
 

@@ -1,0 +1,47 @@
+"""The models' projection: y = x @ w.T as XLA's dot, with the RMSNorm before it and the
+SwiGLU or residual add after it as XLA's elementwise ops (fused by XLA, not by jax_kv).
+
+A CUDA kernel for the few rows of a decode step (with those folded in) was measured slower than
+XLA's fusions on the H200 at every model size tried (bench/NOTES.md, "A matrix-vector kernel
+for the projections"); it lives on branch `cuda-matvec`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_kv.ops.norm import rms_norm
+
+
+def project(
+    x: jax.Array,
+    w: jax.Array,
+    b: jax.Array | None = None,
+    *,
+    norm: jax.Array | None = None,
+    eps: float = 1e-6,
+    activation: str | None = None,
+    residual: jax.Array | None = None,
+) -> jax.Array:
+    """y [..., N] = act(rms_norm(x) [..., K] @ w.T + b) + residual, float32 accumulation.
+
+    Args:
+        x: [..., K] activations.
+        w: [N, K] weights ([2N, K] with activation="swiglu": gate rows, then up rows).
+        b: [N] (or [2N]) bias, or None.
+        norm: [K] RMSNorm weight applied to x first (eps), or None.
+        activation: None, or "swiglu" (silu(gate) * up of the two halves).
+        residual: [..., N] added last, or None.
+    """
+    if norm is not None:
+        x = rms_norm(x, norm, eps)
+    # float32 as float32 (GPU dots default to TF32 for it): the contract accumulates in float32.
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    y = jnp.matmul(x, w.T, precision=precision)
+    if b is not None:
+        y = y + b.reshape((1,) * (y.ndim - 1) + b.shape)
+    if activation == "swiglu":
+        gate, up = jnp.split(y, 2, axis=-1)
+        y = jax.nn.silu(gate) * up
+    return y if residual is None else residual + y
