@@ -38,7 +38,7 @@ from jax_kv.cache.growth import (
     HeadMajorVmmGrowth,
     SeqMajorVmmGrowth,
 )
-from jax_kv.cache.kv_cache import KvCache
+from jax_kv.cache.kv_cache import CacheClosedError, KvCache
 
 __all__ = [
     "INT32_MAX",
@@ -46,6 +46,7 @@ __all__ = [
     "REASON_HEAD_VMM",
     "REASON_NONE",
     "REASON_SEQ_VMM",
+    "CacheClosedError",
     "CapacityError",
     "CapacityPlan",
     "EagerGrowth",

@@ -95,6 +95,7 @@ class KvCache:
         self.commit_step = self.min_bucket if step is None else int(step)
         if self.commit_step < 1:
             raise ValueError(f"commit_ahead: expected >= 1 token, got {commit_ahead}")
+        self.closed = False
         self.arena = _default_arena() if arena is None else arena
         self.growth: GrowthStrategy = growth_for(self.arena, self.layout)
         self.lengths = np.zeros((self.batch,), np.int32)
@@ -162,7 +163,15 @@ class KvCache:
         """int32 [B]: positions of each sequence backed by committed memory, the bound a kept
         step's kernels write under (gqa_decode's `committed`). Every path commits whole
         capacity steps for all sequences together, so it is the capacity for each row."""
+        self._check_open("committed_tokens")
         return np.full((self.batch,), self.capacity, np.int32)
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise CacheClosedError(
+                f"{what}: this KvCache is closed (its arrays and memory are released); make a "
+                f"new one"
+            )
 
     def _sync_committed(self) -> None:
         values = np.ascontiguousarray(self.committed_tokens(), np.int32)
@@ -173,6 +182,7 @@ class KvCache:
             self.arena.write(control.ptr, values.tobytes())
 
     def pointers(self) -> list[int]:
+        self._check_open("pointers")
         return [a.unsafe_buffer_pointer() for a in (*self.k, *self.v)]
 
     def stats(self) -> dict[str, Any]:
@@ -195,6 +205,7 @@ class KvCache:
 
     def advance(self, num_tokens: int | np.ndarray = 1) -> None:
         """Records `num_tokens` (scalar or [B]) more live tokens after a step wrote them."""
+        self._check_open("advance")
         new = self.lengths.astype(np.int64) + np.asarray(num_tokens, np.int64)
         if (new < 0).any() or (new > self.capacity).any():
             raise ValueError(
@@ -211,6 +222,7 @@ class KvCache:
         `verify=False` skips the per-array checks (~8 us per array): for a compiled step
         whose outputs were verified once, their shapes, dtypes and aliasing cannot change.
         """
+        self._check_open("accept")
         if not verify:
             self.k, self.v = list(k), list(v)
             return
@@ -238,6 +250,7 @@ class KvCache:
             ArenaExhausted: memory ran out. In both cases the cache is unchanged: same
                 capacity, same arrays, data intact.
         """
+        self._check_open("ensure_capacity")
         n = int(n)
         if n <= self.capacity:
             return GrowthEvent(
@@ -282,13 +295,21 @@ class KvCache:
     # -- teardown ------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Drops the arrays and, on VMM, frees the regions (their memory is decommitted)."""
+        """Drops the arrays and, on VMM, frees the regions (their memory is decommitted).
+        Idempotent; every other call on a closed cache raises CacheClosedError."""
+        if self.closed:
+            return
+        self.closed = True
         arrays, committed = [*self.k, *self.v], self.committed
         self.k, self.v, self.committed = [], [], None
         if committed is not None and not committed.is_deleted():
             committed.block_until_ready()
             committed.delete()  # a view of the control region on VMM: it ends here
-        self.growth.close(self, arrays)
+        try:
+            self.growth.close(self, arrays)
+        except BaseException:
+            self.closed = False  # e.g. a view still referenced: drop it and close again
+            raise
 
     def __enter__(self) -> KvCache:
         return self
@@ -297,4 +318,8 @@ class KvCache:
         self.close()
 
 
-__all__ = ["KvCache"]
+class CacheClosedError(ValueError):
+    """A call on a KvCache after close()."""
+
+
+__all__ = ["CacheClosedError", "KvCache"]

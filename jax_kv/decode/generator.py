@@ -406,16 +406,20 @@ class Generator:
             result = self._run(
                 cache, ids, lens, budget, max_new, T, sampling, stop, on_tokens, stats
             )
-        finally:
-            cs = cache.stats()
-            stats.growth_events, stats.growth_keeps = cs["growth_events"], cs["growth_keeps"]
-            stats.kv_bytes_moved = cs["kv_bytes_moved"]
-            stats.committed_bytes, stats.reserved_bytes = (
-                cs["committed_bytes"],
-                cs["reserved_bytes"],
-            )
-            stats.arena, stats.capacity = cs["arena"], cs["capacity"]
-            cache.close()
+        except BaseException as error:
+            # The cause reaches the caller; a failure to release the cache rides along with it
+            # instead of replacing it (an arena error used to hide an out-of-memory prefill).
+            try:
+                cache.close()
+            except Exception as close_error:  # noqa: BLE001 - reported on the cause
+                error.add_note(f"and closing the KvCache failed: {close_error}")
+            raise
+        cs = cache.stats()
+        stats.growth_events, stats.growth_keeps = cs["growth_events"], cs["growth_keeps"]
+        stats.kv_bytes_moved = cs["kv_bytes_moved"]
+        stats.committed_bytes, stats.reserved_bytes = cs["committed_bytes"], cs["reserved_bytes"]
+        stats.arena, stats.capacity = cs["arena"], cs["capacity"]
+        cache.close()
         return result
 
     def _length_cap(self) -> int | None:
