@@ -26,7 +26,8 @@ gen._bound_writes = sys.argv[1] == "bound"
 out = gen.generate([[5, 6, 7, 8, 9], list(range(3, 14)), [3, 4, 5]], 64, stop_tokens=())
 s = out.stats
 print(json.dumps(dict(calls=s.host_calls_per_step, growth=[d.token_index for d in s.decisions],
-                      kept=[d.kept for d in s.decisions], captures=s.captures)))
+                      kept=[d.kept for d in s.decisions], captures=s.captures,
+                      granules=[d.granules_committed for d in s.decisions])))
 """
 
 
@@ -53,7 +54,8 @@ def main() -> None:
             late = [i for i, c in enumerate(calls) if warm is not None and i > warm and c]
             print(
                 f"{path:8s} run {run}: captures {d['captures']}, growth before tokens "
-                f"{d['growth']} (kept {d['kept']}), recorded at calls 0-{warm}, re-recorded at "
+                f"{d['growth']} (kept {d['kept']}, granules mapped {d['granules']}), recorded "
+                f"at calls 0-{warm}, re-recorded at "
                 f"calls {late or 'none'}: {calls}",
                 flush=True,
             )

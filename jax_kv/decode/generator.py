@@ -92,6 +92,7 @@ class Decision:
     old_capacity: int
     new_capacity: int
     bytes_moved: int
+    granules_committed: int = 0  # granules the growth mapped (0: the commit stayed inside)
 
 
 @dataclasses.dataclass
@@ -599,6 +600,12 @@ class Generator:
             stats.invalidations += 1  # the next call's key names the new capacity (see _call)
         stats.decisions.append(
             Decision(
-                generated, kept, reason, event.old_capacity, event.new_capacity, event.bytes_moved
+                generated,
+                kept,
+                reason,
+                event.old_capacity,
+                event.new_capacity,
+                event.bytes_moved,
+                event.granules_committed,
             )
         )

@@ -44,7 +44,11 @@ def test_seq_major_keeps_the_compiled_step(runs):
     # handlers' host code never runs again.
     warm = calls.index(0)
     growth_at = [d["token_index"] for d in s["decisions"]]
-    print(f"\nhandler host calls per decode call: {calls}; growth before tokens {growth_at}")
+    granules = [d.get("granules_committed") for d in s["decisions"]]
+    print(
+        f"\nhandler host calls per decode call: {calls}; growth before tokens {growth_at}, "
+        f"granules mapped {granules}"
+    )
     assert warm <= 8 and not any(calls[warm:]), f"host calls {calls}, growth at {growth_at}"
     # ... and at least one growth event happened while it was replaying.
     assert any(d["token_index"] > warm + 1 for d in s["decisions"]), (warm, s["decisions"])
