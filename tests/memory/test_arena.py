@@ -20,17 +20,9 @@ from jax_kv.memory import (
     reservation_ladder,
 )
 
-G = 64 << 10  # host granule in these tests
 GiB = 1 << 30
 
-
-@pytest.fixture
-def arena():
-    a = host_arena(reserve_bytes=256 << 20, granule=G)
-    yield a
-    gc.collect()
-    if not a.closed:
-        a.close()
+G = 64 << 10  # the host granule of the shared `arena` fixture (conftest.py)
 
 
 def test_import_does_not_load_cuda():

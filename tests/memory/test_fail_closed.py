@@ -3,22 +3,11 @@ granule whose unmap fails is quarantined and never handed out again, a commit's 
 pools a still-mapped handle, the must-be-zero counters stay zero on every normal path, and
 close() leaves 0 committed bytes and every handle released (counted on both sides)."""
 
-import gc
-
 import pytest
 
-from jax_kv.memory import ArenaError, host_arena
+from jax_kv.memory import ArenaError
 
-G = 64 << 10
-
-
-@pytest.fixture
-def arena():
-    a = host_arena(reserve_bytes=64 << 20, granule=G)
-    yield a
-    gc.collect()
-    if not a.closed:
-        a.close()
+G = 64 << 10  # the host granule of the shared `arena` fixture (conftest.py)
 
 
 def zero_faults(arena):
