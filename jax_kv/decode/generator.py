@@ -53,11 +53,7 @@ def _with_status(tokens: jax.Array, status: jax.Array) -> jax.Array:
 
 def _check_status(emitted: np.ndarray, where: str) -> None:
     """emitted: int32 [B] or [n, B] ids from _with_status."""
-    status = (
-        np.where(emitted < 0, -emitted, 0).max(axis=0)
-        if emitted.ndim > 1
-        else -np.minimum(emitted, 0)
-    )
+    status = np.maximum(-np.atleast_2d(emitted), 0).max(axis=0)  # [B], the worst code per row
     bad = np.flatnonzero(status)
     if bad.size:
         b, code = int(bad[0]), int(status[bad[0]])
