@@ -16,7 +16,7 @@ from jax_kv.cache.events import GrowthEvent, GrowthReason
 from jax_kv.cache.growth import GrowthStrategy, growth_for
 from jax_kv.config import runtime_config
 from jax_kv.layout import Layout
-from jax_kv.memory import EagerArena, Region, VmmArena
+from jax_kv.memory import EagerArena, VmmArena
 
 
 def _module_exists(name: str) -> bool:
@@ -128,11 +128,6 @@ class KvCache:
     @property
     def is_vmm(self) -> bool:
         return self.growth.is_vmm
-
-    @property
-    def _regions(self) -> list[Region]:
-        """The K and V regions on VMM (empty otherwise); tests read the memory through them."""
-        return self.growth.regions
 
     @property
     def array_capacity(self) -> int:

@@ -27,6 +27,17 @@ from jax_kv.layout import Layout
 
 PREFILL_MIN_TOKENS = 16  # prompt lengths are padded to powers of two from here: few compiles
 
+# GenerationStats fields copied from KvCache.stats() at the end of a run.
+_CACHE_STATS = (
+    "growth_events",
+    "growth_keeps",
+    "kv_bytes_moved",
+    "committed_bytes",
+    "reserved_bytes",
+    "arena",
+    "capacity",
+)
+
 # Why a row stopped (GenerationResult.finish_reasons).
 FINISH_STOP = "stop"  # it emitted a stop token (kept as its last token)
 FINISH_MAX_NEW_TOKENS = "max_new_tokens"  # it generated max_new_tokens
@@ -412,10 +423,8 @@ class Generator:
                 error.add_note(f"and closing the KvCache failed: {close_error}")
             raise
         cs = cache.stats()
-        stats.growth_events, stats.growth_keeps = cs["growth_events"], cs["growth_keeps"]
-        stats.kv_bytes_moved = cs["kv_bytes_moved"]
-        stats.committed_bytes, stats.reserved_bytes = cs["committed_bytes"], cs["reserved_bytes"]
-        stats.arena, stats.capacity = cs["arena"], cs["capacity"]
+        for name in _CACHE_STATS:  # the cache's counters of this run, under the same names
+            setattr(stats, name, cs[name])
         cache.close()
         return result
 

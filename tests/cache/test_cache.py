@@ -152,7 +152,7 @@ def host_fill(cache, rng):
     drv = cache.arena.driver
     B_, S_ = cache.batch, cache.array_capacity
     full = []
-    for r in cache._regions:
+    for r in cache.growth.regions:
         n = B_ * S_ * Hkv * D * 4
         x = np.frombuffer(drv.host_view(r.ptr, n), np.float32)
         if cache.layout == Layout.HEAD_MAJOR:
@@ -168,7 +168,7 @@ def host_live(cache):
     drv = cache.arena.driver
     n_live = int(cache.lengths[0])
     out = []
-    for r in cache._regions:
+    for r in cache.growth.regions:
         x = np.frombuffer(
             drv.host_view(r.ptr, cache.batch * cache.array_capacity * Hkv * D * 4), np.float32
         ).reshape(cache.shape)
@@ -217,7 +217,7 @@ def test_host_vmm_head_major_restrides_in_place(rng):
         live_tokens, prev = prev + prev // 2, n
         drv = arena.driver
         before = []
-        for r in cache._regions:
+        for r in cache.growth.regions:
             x = np.frombuffer(drv.host_view(r.ptr, B * Hkv * cache.capacity * D * 4), np.float32)
             before.append(x.reshape(cache.shape).copy())
         e = cache.ensure_capacity(n)
@@ -225,7 +225,7 @@ def test_host_vmm_head_major_restrides_in_place(rng):
         assert (e.reason, e.shape_changed, e.pointer_changed) == (REASON_HEAD_VMM, True, False)
         assert e.bytes_moved == cache.live_bytes == 2 * L * live_tokens * Hkv * D * 4
         assert cache.pointers() == ptrs and cache.shape == (B, Hkv, e.new_capacity, D)
-        for r, old in zip(cache._regions, before, strict=True):
+        for r, old in zip(cache.growth.regions, before, strict=True):
             x = np.frombuffer(drv.host_view(r.ptr, B * Hkv * cache.capacity * D * 4), np.float32)
             x = x.reshape(cache.shape)
             for b, length in enumerate(cache.lengths):

@@ -66,7 +66,7 @@ def fill(cache, rng, n, dtype):
     if not on_device(cache.arena):
         tok, slot = cache.token_bytes, cache.max_len * cache.token_bytes
         raw = np.asarray(k).view(np.uint8).reshape(B, n * tok)
-        for region in cache._regions:
+        for region in cache.growth.regions:
             for b in range(B):
                 start = region.ptr + b * slot + int(cache.lengths[b]) * tok
                 cache.arena.driver.host_view(start, n * tok)[:] = raw[b].tobytes()
