@@ -4,12 +4,13 @@ masked attention, device time inside one jitted lax.fori_loop, median of repeats
 bf16, Hq=32, Hkv=8, D=128, both cache layouts (the comparators read [B, S, Hkv, D] in both
 rows: cuDNN takes no other layout). Prints the tables and writes attention.json (GPU name, jax
 version, git commit) and attention.png (achieved live-KV GB/s per row) under --out.
---decode-kernel takes a comma list of CUDA decode kernels to time in the same run, beside the
-same cuDNN and XLA measurements: 1 (keys jax_kv_<LAYOUT>), 2 (kernel 2, CTA shape by its auto
-rule: jax_kv_k2_<LAYOUT>), 2-narrow and 2-wide (kernel 2 with that shape forced:
-jax_kv_k2-narrow_<LAYOUT>, ...); "both" is 1,2.
+--decode-kernel takes a comma list of decode kernel choices to time in the same run, beside the
+same cuDNN and XLA measurements (gqa_decode's `_kernel` and `_cta_shape` test hooks): auto (what
+the library runs: the tensor-core kernel mma here, keys jax_kv_<LAYOUT>), simt (the CUDA-core
+kernel forced: jax_kv_simt_<LAYOUT>), mma, and any of them with a CTA shape forced: simt-narrow,
+mma-wide, ... (jax_kv_simt-narrow_<LAYOUT>, ...). --prefill-kernel likewise: auto, mma.
 
-    python bench/attention.py --out /tmp/bench --decode-kernel 1,2,2-narrow,2-wide
+    python bench/attention.py --out /tmp/bench --decode-kernel auto,simt,mma-narrow
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 from jax import lax
 
 from jax_kv import Layout, gqa_decode, gqa_prefill
+from jax_kv.ops._common import CTA_SHAPES, DECODE_KERNELS, PREFILL_KERNELS
 
 HQ, HKV, D = 32, 8, 128
 DTYPE = jnp.bfloat16
@@ -117,35 +119,24 @@ def xla_decode(q, k, v, n):
     return jnp.einsum("bhgs,bshd->bhgd", p, v).reshape(B, HQ, D)
 
 
-KERNEL_SPECS = ("1", "2", "2-narrow", "2-wide", "3", "3-narrow", "3-wide")
+KERNEL_SPECS = tuple(
+    k + ("" if c == "auto" else f"-{c}") for k in DECODE_KERNELS for c in CTA_SHAPES
+)
 
 
 def decode_key(kernel: str, layout: Layout) -> str:
-    """Row key of jax_kv's time with decode kernel spec `kernel` (1 keeps the old key)."""
-    return f"jax_kv_{layout.name}" if kernel == "1" else f"jax_kv_k{kernel}_{layout.name}"
+    """Row key of jax_kv's time with decode kernel spec `kernel` ("auto" keeps the plain key)."""
+    return f"jax_kv_{layout.name}" if kernel == "auto" else f"jax_kv_{kernel}_{layout.name}"
 
 
-def cuda_module(option: str):
-    """The registered CUDA module, which `option` (a command-line flag) needs."""
-    from jax_kv import _ffi
-
-    _ffi.register()
-    cuda = _ffi.cuda_module()
-    if cuda is None:
-        raise RuntimeError(f"{option} needs the CUDA module (JAX_KV_CUDA=ON build)")
-    return cuda
+def decode_hooks(kernel: str) -> dict[str, str]:
+    """gqa_decode's test hooks of kernel spec `kernel` (KERNEL_SPECS): "simt-wide" ->
+    _kernel="simt", _cta_shape="wide"."""
+    name, _, shape = kernel.partition("-")
+    return dict(_kernel=name, _cta_shape=shape or "auto")
 
 
-def select_decode_kernel(kernel: str) -> None:
-    """Makes the CUDA decode handler launch kernel spec `kernel` (KERNEL_SPECS) from the next
-    compiled step on."""
-    cuda = cuda_module("--decode-kernel")
-    number, _, shape = kernel.partition("-")
-    cuda.set_decode_kernel(int(number))
-    cuda.set_decode_v2_ctas(shape or "auto")
-
-
-def bench_decode(B, S, live, iters, kernels=("1",)):
+def bench_decode(B, S, live, iters, kernels=("auto",)):
     keys = jax.random.split(jax.random.key(B * 7 + S), 6)
     q = rand(keys[0], (B, HQ, D))
     k_new, v_new = rand(keys[1], (B, HKV, D)), rand(keys[2], (B, HKV, D))
@@ -158,15 +149,14 @@ def bench_decode(B, S, live, iters, kernels=("1",)):
     consts = (k_new, v_new, lengths)
     ours = []
     for kernel in kernels:
-        # Each time_loop compiles a fresh executable, recorded after the selection below.
-        select_decode_kernel(kernel)
+        hooks = decode_hooks(kernel)
         for layout in Layout:
             kc, vc = in_layout(k_bshd, layout), in_layout(v_bshd, layout)
 
-            def step(c, x, layout=layout):
+            def step(c, x, layout=layout, hooks=hooks):
                 q, kc, vc = c
                 k_new, v_new, lengths = x
-                return gqa_decode(q, k_new, v_new, kc, vc, lengths, layout=layout)
+                return gqa_decode(q, k_new, v_new, kc, vc, lengths, layout=layout, **hooks)
 
             key = decode_key(kernel, layout)
             ours.append(key)
@@ -209,18 +199,9 @@ def xla_prefill(q, k, v, past):
     return jnp.einsum("bhgts,bshd->bthgd", p, v).reshape(B, T, HQ, D)
 
 
-PREFILL_KERNELS = ("auto", "mma")
-
-
 def prefill_key(kernel: str, layout: Layout) -> str:
     """Row key of jax_kv's prefill time with prefill kernel `kernel` ('auto' keeps the old key)."""
     return f"jax_kv_{layout.name}" if kernel == "auto" else f"jax_kv_{kernel}_{layout.name}"
-
-
-def select_prefill_kernel(kernel: str) -> None:
-    """Makes the CUDA prefill handler launch `kernel` ('auto': wgmma where it applies; 'mma')
-    from the next compiled step on."""
-    cuda_module("--prefill-kernel").set_prefill_kernel(kernel)
 
 
 def bench_prefill(T, past, iters, kernels=("auto",)):
@@ -238,14 +219,12 @@ def bench_prefill(T, past, iters, kernels=("auto",)):
 
     consts = (k_new, v_new, lengths)
     for kernel, layout in ((k, lay) for k in kernels for lay in Layout):
-        if kernels != ("auto",):
-            select_prefill_kernel(kernel)
         kc, vc = in_layout(k_bshd, layout), in_layout(v_bshd, layout)
 
-        def step(c, x, layout=layout):
+        def step(c, x, layout=layout, kernel=kernel):
             q, kc, vc = c
             k_new, v_new, lengths = x
-            return gqa_prefill(q, k_new, v_new, kc, vc, lengths, layout=layout)
+            return gqa_prefill(q, k_new, v_new, kc, vc, lengths, layout=layout, _kernel=kernel)
 
         key = prefill_key(kernel, layout)
         t, err = guarded(lambda c=(q, kc, vc), f=step: time_loop(f, c, consts, iters, 1)[0])
@@ -286,13 +265,13 @@ def ratio(a, b):
     return None if a is None or b is None else b / a
 
 
-def print_decode(rows, kernels=("1",)):
+def print_decode(rows, kernels=("auto",)):
     print(
         "\nDecode (bf16, Hq=32, Hkv=8, D=128): time in us, live-KV GB/s, x = cuDNN time / ours; "
-        "k = CUDA decode kernel"
+        "k = decode kernel choice"
     )
     print(
-        f"{'B':>4} {'S':>7} {'live':>7} | {'layout':>10} {'k':>8} {'jax_kv':>8} {'GB/s':>8} | "
+        f"{'B':>4} {'S':>7} {'live':>7} | {'layout':>10} {'k':>11} {'jax_kv':>8} {'GB/s':>8} | "
         f"{'cuDNN':>8} {'GB/s':>8} | {'XLA':>8} {'GB/s':>8} | {'x cuDNN':>7} {'x XLA':>7}"
     )
     for r in rows:
@@ -300,7 +279,7 @@ def print_decode(rows, kernels=("1",)):
             key = decode_key(kernel, lay)
             ours = r.get(key)
             print(
-                f"{r['B']:>4} {r['S']:>7} {r['live']:>7} | {lay.name:>10} {kernel:>8} "
+                f"{r['B']:>4} {r['S']:>7} {r['live']:>7} | {lay.name:>10} {kernel:>11} "
                 f"{fmt(ours, 1e6)} "
                 f"{fmt(r.get(f'gbps_{key}'), 1, '8.0f')} | {fmt(r['cudnn'], 1e6)} "
                 f"{fmt(r['gbps_cudnn'], 1, '8.0f')} | {fmt(r['xla'], 1e6)} "
@@ -338,7 +317,7 @@ def plot(decode, prefill, path):
 
     fig, axes = plt.subplots(1, 2, figsize=(15, 5), gridspec_kw={"width_ratios": [3, 1]})
     names = [
-        (decode_key(k, lay), f"jax_kv {lay.name.lower()}" + ("" if k == "1" else f", kernel {k}"))
+        (decode_key(k, lay), f"jax_kv {lay.name.lower()}" + ("" if k == "auto" else f", {k}"))
         for k in KERNEL_SPECS
         for lay in Layout
     ]
@@ -391,10 +370,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="first decode/prefill rows only")
     ap.add_argument(
         "--decode-kernel",
-        default=None,
-        help="comma list of CUDA decode kernels to time: 1, 2, 2-narrow, 2-wide, 3, 3-narrow, "
-        "3-wide, both "
-        "(default: JAX_KV_DECODE_KERNEL, else 3)",
+        default="auto",
+        help=f"comma list of decode kernel choices to time: {', '.join(KERNEL_SPECS)}",
     )
     ap.add_argument(
         "--prefill-kernel",
@@ -403,15 +380,10 @@ def main():
     )
     ap.add_argument("--parts", default="decode,prefill", help="tables to measure")
     args = ap.parse_args()
-    if args.decode_kernel is None:
-        from jax_kv.config import runtime_config
-
-        kernels = (str(runtime_config().decode_kernel),)
-    else:
-        kernels = tuple(args.decode_kernel.replace("both", "1,2").split(","))
-        bad = [k for k in kernels if k not in KERNEL_SPECS]
-        if bad:
-            ap.error(f"--decode-kernel: expected a comma list of {KERNEL_SPECS}, got {bad}")
+    kernels = tuple(args.decode_kernel.split(","))
+    bad = [k for k in kernels if k not in KERNEL_SPECS]
+    if bad:
+        ap.error(f"--decode-kernel: expected a comma list of {KERNEL_SPECS}, got {bad}")
     prefill_kernels = tuple(args.prefill_kernel.split(","))
     if any(k not in PREFILL_KERNELS for k in prefill_kernels):
         ap.error(f"--prefill-kernel: expected a comma list of {PREFILL_KERNELS}")
@@ -453,7 +425,7 @@ def main():
         save()
         r = decode[-1]
         ours = ", ".join(
-            f"k{k} {fmt(r.get(decode_key(k, Layout.SEQ_MAJOR)), 1e6).strip()}" for k in kernels
+            f"{k} {fmt(r.get(decode_key(k, Layout.SEQ_MAJOR)), 1e6).strip()}" for k in kernels
         )
         print(
             f"  decode B={B} S={S} live={live}: jax_kv {ours} us "

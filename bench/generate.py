@@ -16,7 +16,6 @@ run without measuring.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
@@ -39,9 +38,10 @@ from jax_kv.models import llama
 from jax_kv.models.projection import project
 from jax_kv.ops.xla_attention import xla_gqa_decode, xla_gqa_prefill
 
-# "@k": k decode steps per jitted call (Generator(tokens_per_call=k)); "+kN": CUDA decode kernel
-# N (default: JAX_KV_DECODE_KERNEL, else 3). The unrolled variant "@ku" is on branch
-# unroll-tokens (measured slower: bench/NOTES.md).
+# "@k": k decode steps per jitted call (Generator(tokens_per_call=k)). The unrolled variant "@ku"
+# is on branch unroll-tokens (measured slower: bench/NOTES.md). The "+kN" variants (a CUDA decode
+# kernel forced for the whole process) went with the process-wide kernel setting (issue 20): the
+# kernel a call runs is a function of the call; bench/attention.py --decode-kernel compares them.
 IMPLS = ("jax_kv-seq", "jax_kv-head", "jax_kv-seq@8", "plain-jax", "transformers")
 MODELS = ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3-8b")
 
@@ -74,24 +74,6 @@ def run_generator(
         compile_s=s.compile_seconds,
         arena=s.arena,
     )
-
-
-@contextlib.contextmanager
-def decode_kernel(kernel: int | None):
-    """Selects CUDA decode kernel `kernel` (1 or 2) for the steps compiled inside; None keeps
-    the configured one."""
-    from jax_kv import _ffi
-
-    cuda = _ffi.cuda_module() if kernel is not None else None
-    if cuda is None:
-        yield
-        return
-    before = cuda.decode_kernel()
-    cuda.set_decode_kernel(kernel)
-    try:
-        yield
-    finally:
-        cuda.set_decode_kernel(before)
 
 
 def plain_jax_loop(model, prompts: np.ndarray, static_len: int):
@@ -287,12 +269,10 @@ def measure(args) -> dict:
             for impl in impls:
                 t0 = time.perf_counter()
                 try:
-                    if impl.startswith("jax_kv-"):  # jax_kv-seq, jax_kv-head, jax_kv-seq@8+k1
-                        spec, _, kernel = impl.removeprefix("jax_kv-").partition("+k")
-                        kind, _, k = spec.partition("@")
+                    if impl.startswith("jax_kv-"):  # jax_kv-seq, jax_kv-head, jax_kv-seq@8
+                        kind, _, k = impl.removeprefix("jax_kv-").partition("@")
                         layout = Layout.SEQ_MAJOR if kind == "seq" else Layout.HEAD_MAJOR
-                        with decode_kernel(int(kernel) if kernel else None):
-                            row[impl] = run_generator(model, prompts, args.new_tokens, layout, k)
+                        row[impl] = run_generator(model, prompts, args.new_tokens, layout, k)
                     elif impl == "plain-jax":
                         row[impl] = run_plain_jax(model, prompts, args.new_tokens, args.static_len)
                     elif impl == "transformers":

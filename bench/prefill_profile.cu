@@ -96,7 +96,7 @@ int main(int argc, char** argv) {
   CHECK(cudaDeviceSynchronize());
 
   if (once) {
-    CHECK(jax_kv::LaunchGqaPrefill(p, nullptr));
+    CHECK((jax_kv::LaunchGqaPrefill<jax_kv::bf16_t, kD>(p, nullptr)));
     CHECK(cudaDeviceSynchronize());
     return 0;
   }
@@ -104,8 +104,11 @@ int main(int argc, char** argv) {
   using jax_kv::bf16_t;
   const std::pair<const char*, std::function<cudaError_t(const P&)>> kernels[] = {
       {"mma.sync",
-       [](const P& q) { return LaunchGqaPrefill(q, nullptr, jax_kv::PrefillKernel::kMma); }},
-      {"wgmma default (2 wg, 128 keys)", [](const P& q) { return LaunchGqaPrefill(q, nullptr); }},
+       [](const P& q) {
+         return jax_kv::LaunchGqaPrefill<bf16_t, kD>(q, nullptr, jax_kv::PrefillKernel::kMma);
+       }},
+      {"wgmma default (2 wg, 128 keys)",
+       [](const P& q) { return jax_kv::LaunchGqaPrefill<bf16_t, kD>(q, nullptr); }},
       {"wgmma 2 wg, 128 keys, ping-pong", LaunchShape<2, 128, true>},
       {"wgmma 2 wg, 64 keys, ping-pong", LaunchShape<2, 64, true>},
       {"wgmma 2 wg, 64 keys", LaunchShape<2, 64, false>},

@@ -1,15 +1,16 @@
 """Instruction counts of the decode kernels' main loops, from `cuobjdump --dump-sass` text.
 
 For each kernel instantiation matching --match, finds the loops (backward branches) whose body
-issues 16-byte global loads (LDG.E.128, kernel 1) or 16-byte global->shared copies
-(LDGSTS.E.BYPASS.128, kernel 2) and reads nothing coherent (the split combine), keeps the two
+issues 16-byte global loads (LDG.E.128: the split-K kernel the simt kernel replaced, measured
+in bench/NOTES.md as "kernel 1") or 16-byte global->shared copies (LDGSTS.E.BYPASS.128: simt,
+"kernel 2", and mma, "kernel 3") and reads nothing coherent (the split combine), keeps the two
 smallest (softcap off, softcap on) and prints per iteration: the static count, the count on
-the common path (kernel 2: less the rarely taken block that patches the new token's row into
-shared memory, STS.128), the opcode classes, and per K/V row (iteration rows given by
---rows-per-iter, kernel 1 bf16 D=128: 8, kernel 2: 8).
+the common path (less the rarely taken block that patches the new token's row into shared
+memory, STS.128), the opcode classes, and per K/V row (iteration rows given by
+--rows-per-iter; simt bf16 D=128: 8, mma: 16).
 
-    cuobjdump --dump-sass build/CMakeFiles/_ffi_cuda.dir/cuda/gqa_decode_v2_bf16.cu.o > v2.sass
-    python bench/sass_loop.py v2.sass --match "GqaDecodeV2Kernel<__nv_bfloat16, 128"
+    cuobjdump --dump-sass build/CMakeFiles/_ffi_cuda.dir/cuda/gqa_decode_simt_bf16.cu.o >s.sass
+    python bench/sass_loop.py s.sass --match "GqaDecodeSimtKernel<__nv_bfloat16, 128"
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def main_loops(ins):
 
 def rare_blocks(body):
     """Addresses inside BSSY regions that store to shared memory with STS.128 (the row-L
-    patch of kernel 2, taken once per split)."""
+    patch, taken once per split)."""
     rare = set()
     for i, (_, t) in enumerate(body):
         m = re.match(r"BSSY\s+B\d+,\s+0x([0-9a-f]+)", t)

@@ -34,7 +34,7 @@ VARIANTS = {
     "cmdbuf-while": "--xla_gpu_graph_min_graph_size=1 --xla_gpu_enable_command_buffer="
     "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
 }
-# A variant name may end in "+kN": the same XLA flags with JAX_KV_DECODE_KERNEL=N. (The "+mv"
+# (The "+kN" variants, JAX_KV_DECODE_KERNEL=N, went with that variable in issue 20; the "+mv"
 # variants of the CUDA matvec are on branch cuda-matvec.)
 
 
@@ -200,16 +200,12 @@ def main() -> None:
     for variant, impls in plan.items():
         dump = args.out / f"hlo-{variant}"
         for impl in impls:
-            base, *suffixes = variant.split("+")
-            flags = VARIANTS[base]
+            if variant not in VARIANTS:
+                raise SystemExit(f"variant {variant}: expected one of {sorted(VARIANTS)}")
+            flags = VARIANTS[variant]
             if impl == impls[0]:
                 flags += f" --xla_dump_to={dump}"
             env = dict(os.environ, XLA_FLAGS=flags.strip())
-            for suffix in suffixes:
-                if suffix.startswith("k"):
-                    env["JAX_KV_DECODE_KERNEL"] = suffix[1:]
-                else:
-                    raise SystemExit(f"variant {variant}: unknown suffix +{suffix}")
             cmd = [sys.executable, __file__, "--out", str(args.out), "--impl", impl]
             cmd += ["--model", args.model, "--batch", str(args.batch)]
             cmd += ["--prompt", str(args.prompt), "--tokens", str(args.tokens)]

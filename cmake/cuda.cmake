@@ -15,10 +15,9 @@ nanobind_add_module(_ffi_cuda NB_STATIC
   ffi/gqa_prefill.cc
   ffi/grow_cache.cc
   cuda/device_info.cu
-  cuda/gqa_decode.cu
-  cuda/gqa_decode_v2.cu
-  cuda/gqa_decode_v2_bf16.cu
-  cuda/gqa_decode_v2_f16.cu
+  cuda/gqa_decode_simt.cu
+  cuda/gqa_decode_simt_bf16.cu
+  cuda/gqa_decode_simt_f16.cu
   cuda/gqa_decode_mma.cu
   cuda/gqa_prefill.cu
   cuda/gqa_prefill_wgmma.cu

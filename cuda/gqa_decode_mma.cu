@@ -1,14 +1,16 @@
-// GQA decode, kernel 3: kernel 2's one-launch split-K grid and per-warp cp.async rings, with the
-// tile math on tensor cores (mma.sync m16n8k16, f32 accumulation). bf16 and f16 at head dims
-// 64/80/96/128; f32 and head dim 256 run kernel 2.
+// GQA decode, mma: the simt kernel's one-launch split-K grid and per-warp cp.async rings
+// (cuda/gqa_decode_split.cuh), with the tile math on tensor cores (mma.sync m16n8k16, f32
+// accumulation). bf16 and f16 at head dims 64/80/96/128 (MmaDecodeTakes, cuda/gqa_decode.cuh):
+// every such call runs it; f32 and head dim 256 run simt.
 //
-// Why (bench/NOTES.md, "Decode kernel 3"): kernel 2 spends ~76 issued instructions per K/V row
-// at group 4 (64 FFMA, 16 unpacks, q reads from shared memory, shuffles) against an issue budget
-// of ~124 per row at 4.3 TB/s, and its large rows track its instruction count (3.1 TB/s at 98
-// per row in kernel 1, 3.8 at 76). Here one warp tile is 16 rows; per tile and k-step of 16
-// head-dim columns, one ldmatrix of K and two mmas give every score of the CTA's query heads,
-// and per 16 columns of V one transposed ldmatrix and one mma the P.V update: 17 issued
-// instructions per row at D=128 whatever the group (SASS; most of them the copies' addresses).
+// Why (bench/NOTES.md, "Decode kernel 3", where simt is "kernel 2"): simt spends ~76 issued
+// instructions per K/V row at group 4 (64 FFMA, 16 unpacks, q reads from shared memory,
+// shuffles) against an issue budget of ~124 per row at 4.3 TB/s, and its large rows tracked its
+// instruction count (3.1 TB/s at 98 per row in the kernel before it, 3.8 at 76). Here one warp
+// tile is 16 rows; per tile and k-step of 16 head-dim columns, one ldmatrix of K and two mmas
+// give every score of the CTA's query heads, and per 16 columns of V one transposed ldmatrix and
+// one mma the P.V update: 17 issued instructions per row at D=128 whatever the group (SASS; most
+// of them the copies' addresses).
 //
 // The mma shapes (M=16, N=8, K=16; q.k with the query heads as M):
 //   S^T [g, rows]  = q [g, D] . K^T [D, rows]    A = q (rows g >= 8 zero), B = K via ldmatrix
@@ -24,6 +26,7 @@
 
 #include "cuda/cp_async.cuh"
 #include "cuda/gqa_decode_split.cuh"
+#include "cuda/head_dims.h"
 #include "cuda/mma.cuh"
 
 namespace jax_kv {
@@ -301,82 +304,47 @@ GqaDecodePlan PlanFor(int64_t ctas) {
 }
 
 template <typename T, int HEAD_DIM, int WARPS>
-cudaError_t LaunchInstance(const GqaParams<T>& p, int chunks, cudaStream_t stream) {
+cudaError_t LaunchInstance(const GqaParams<T>& p, int chunks, SplitCounters counters,
+                           cudaStream_t stream) {
   using Sh = MmaShape<T, HEAD_DIM, WARPS>;
   const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * chunks;
   return LaunchSplitDecode<GqaDecodeMmaKernel<T, HEAD_DIM, WARPS>>(
-      p, chunks, Sh::kThreads, Sh::kSmemBytes, PlanFor<T, HEAD_DIM, WARPS>(ctas), stream);
+      p, chunks, Sh::kThreads, Sh::kSmemBytes, PlanFor<T, HEAD_DIM, WARPS>(ctas), counters, stream);
 }
-
-// Head dims the tensor-core kernel takes; the rest (and f32) run kernel 2.
-bool MmaHeadDim(int head_dim) {
-  return head_dim == 64 || head_dim == 80 || head_dim == 96 || head_dim == 128;
-}
-
-template <typename T, typename Fn>
-auto WithMmaShape(int head_dim, int64_t ctas, const Fn& fn) {
-  const bool wide = UseWide(ctas);
-  switch (head_dim) {
-    case 64:
-      return wide ? fn.template operator()<64, kWideWarps>()
-                  : fn.template operator()<64, kNarrowWarps>();
-    case 80:
-      return wide ? fn.template operator()<80, kWideWarps>()
-                  : fn.template operator()<80, kNarrowWarps>();
-    case 96:
-      return wide ? fn.template operator()<96, kWideWarps>()
-                  : fn.template operator()<96, kNarrowWarps>();
-    default:
-      return wide ? fn.template operator()<128, kWideWarps>()
-                  : fn.template operator()<128, kNarrowWarps>();
-  }
-}
-
-template <typename T>
-struct Launch {
-  const GqaParams<T>& p;
-  int chunks;
-  cudaStream_t stream;
-  template <int HEAD_DIM, int WARPS>
-  cudaError_t operator()() const {
-    return LaunchInstance<T, HEAD_DIM, WARPS>(p, chunks, stream);
-  }
-};
-
-struct Plan {
-  int64_t ctas;
-  template <int HEAD_DIM, int WARPS>
-  GqaDecodePlan operator()() const {
-    return PlanFor<bf16_t, HEAD_DIM, WARPS>(ctas);  // bf16 and f16 tile alike
-  }
-};
 
 }  // namespace
 
-GqaDecodePlan GqaDecodeMmaPlan(int batch, int num_q_heads, int num_kv_heads, int head_dim,
-                               int itemsize) {
-  if (itemsize != 2 || !MmaHeadDim(head_dim)) {
-    return GqaDecodeV2Plan(batch, num_q_heads, num_kv_heads, head_dim, itemsize);
-  }
-  const int group = num_q_heads / std::max(1, num_kv_heads);
-  const int64_t ctas = static_cast<int64_t>(batch) * num_kv_heads * HeadChunks(group);
-  return WithMmaShape<bf16_t>(head_dim, ctas, Plan{ctas});
-}
-
-template <typename T>
-cudaError_t LaunchGqaDecodeMma(const GqaParams<T>& p, cudaStream_t stream) {
-  if constexpr (std::is_same_v<T, float>) {
-    return LaunchGqaDecodeV2<T>(p, stream);
-  } else {
-    if (!MmaHeadDim(p.head_dim)) return LaunchGqaDecodeV2<T>(p, stream);
-    const int chunks = HeadChunks(p.num_q_heads / p.num_kv_heads);
+template <typename T, int HEAD_DIM>
+cudaError_t LaunchGqaDecodeMma(const GqaParams<T>& p, const DecodeOptions& o, cudaStream_t stream) {
+  if constexpr (MmaDecodeTakes(HEAD_DIM, sizeof(T))) {
+    const int chunks = DecodeHeadChunks(p.num_q_heads / p.num_kv_heads);
     const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * chunks;
-    return WithMmaShape<T>(p.head_dim, ctas, Launch<T>{p, chunks, stream});
+    return UseWide(ctas, o.ctas)
+               ? LaunchInstance<T, HEAD_DIM, kWideWarps>(p, chunks, o.counters, stream)
+               : LaunchInstance<T, HEAD_DIM, kNarrowWarps>(p, chunks, o.counters, stream);
+  } else {
+    return cudaErrorInvalidValue;  // LaunchGqaDecode never calls it here (MmaDecodeTakes)
   }
 }
 
-template cudaError_t LaunchGqaDecodeMma<float>(const GqaParams<float>&, cudaStream_t);
-template cudaError_t LaunchGqaDecodeMma<bf16_t>(const GqaParams<bf16_t>&, cudaStream_t);
-template cudaError_t LaunchGqaDecodeMma<f16_t>(const GqaParams<f16_t>&, cudaStream_t);
+template <typename T, int HEAD_DIM>
+GqaDecodePlan GqaDecodeMmaPlan(int batch, int num_q_heads, int num_kv_heads, DecodeCtas shape) {
+  if constexpr (MmaDecodeTakes(HEAD_DIM, sizeof(T))) {
+    const int group = num_q_heads / std::max(1, num_kv_heads);
+    const int64_t ctas = static_cast<int64_t>(batch) * num_kv_heads * DecodeHeadChunks(group);
+    return UseWide(ctas, shape) ? PlanFor<T, HEAD_DIM, kWideWarps>(ctas)
+                                : PlanFor<T, HEAD_DIM, kNarrowWarps>(ctas);
+  } else {
+    return GqaDecodePlan{0, 0, 0};  // PlanGqaDecode never calls it here (MmaDecodeTakes)
+  }
+}
+
+#define JKV_DECODE_MMA_INSTANTIATE(D, T)                                                   \
+  template cudaError_t LaunchGqaDecodeMma<T, D>(const GqaParams<T>&, const DecodeOptions&, \
+                                                cudaStream_t);                             \
+  template GqaDecodePlan GqaDecodeMmaPlan<T, D>(int, int, int, DecodeCtas);
+JKV_FOR_EACH_HEAD_DIM(JKV_DECODE_MMA_INSTANTIATE, bf16_t)
+JKV_FOR_EACH_HEAD_DIM(JKV_DECODE_MMA_INSTANTIATE, f16_t)
+#undef JKV_DECODE_MMA_INSTANTIATE
 
 }  // namespace jax_kv

@@ -1,8 +1,8 @@
-// What the one-launch split-K decode kernels share (kernel 2, cuda/gqa_decode_v2.cuh: CUDA-core
-// math; kernel 3, cuda/gqa_decode_mma.cu: tensor-core math): the split plan computed on the
-// device from lengths, the CTA's start (status, NaN rows for a bad length, the fused append),
-// its end (the warps' partials merged, the split stored, the last CTA of each (b, KV head, head
-// chunk) merging the splits) and the host's grid choice. Only the tile loop differs.
+// What the two decode kernels share (simt, cuda/gqa_decode_simt.cuh: CUDA-core math; mma,
+// cuda/gqa_decode_mma.cu: tensor-core math): the split plan computed on the device from lengths,
+// the CTA's start (status, NaN rows for a bad length, the fused append), its end (the warps'
+// partials merged, the split stored, the last CTA of each (b, KV head, head chunk) merging the
+// splits) and the host's grid choice. Only the tile loop differs.
 #pragma once
 
 #include <algorithm>
@@ -16,9 +16,9 @@
 namespace jax_kv {
 namespace split_decode {
 
-constexpr int kMaxGroup = 8;      // query heads per CTA; more take several head chunks
-constexpr int kMaxSplits = 256;   // as kernel 1: beyond it partials traffic outgrows the gain
-constexpr int kMaxCtasPerSm = 4;  // the most any instantiation keeps resident (workspace bound)
+constexpr int kMaxGroup = kDecodeMaxGroup;  // query heads per CTA
+constexpr int kMaxSplits = 256;             // beyond it the partials' traffic outgrows the gain
+constexpr int kMaxCtasPerSm = 4;            // the most CTAs per SM any instantiation keeps resident
 // Fewest K+V bytes a wide CTA's split covers: with a one-tile floor, Qwen2.5-0.5B at B=1 (~300
 // live, Hkv=2) ran 3 splits and a merge, 7.5 us a layer, a chain of ~8 dependent global round
 // trips (length, q, K/V, partials, fence, counter, partials again, out); a lone split skips the
@@ -129,9 +129,9 @@ __host__ __device__ __forceinline__ unsigned* WorkspaceCounters(const GqaParams<
 }
 
 // Split counters that outlive a launch: one pool per translation unit (each .cu that includes
-// this header has its own: kernel 3's, and kernel 2's f32, bf16 and f16), zero when the module
-// loads. Kernels name it directly, so the host never looks a device symbol up.
-// TakeCounterRegion (cuda/gqa_decode.cuh) says how it stays zero.
+// this header has its own: mma's, and simt's f32, bf16 and f16), zero when the module loads.
+// Kernels name it directly, so the host never looks a device symbol up. TakeCounterRegion
+// (cuda/gqa_decode.cuh) says how it stays zero.
 static __device__ unsigned g_split_counters[kCounterPoolWords];  // 1 MiB per unit and device
 
 // Ends a CTA once its warps have left (m, l) in sm_m / sm_l and acc in sm_acc
@@ -218,8 +218,6 @@ __device__ __forceinline__ void EndDecodeCta(const GqaParams<T>& p, const Decode
 
 // ---- host side ----
 
-inline int HeadChunks(int group) { return (group + kMaxGroup - 1) / kMaxGroup; }
-
 inline int CtasPerSm(int smem_bytes, int max_by_registers) {
   return std::max(1, std::min(max_by_registers, CurrentDeviceCtasBySmem(smem_bytes)));
 }
@@ -232,28 +230,24 @@ inline int SplitsForCtas(int64_t ctas, int ctas_per_sm) {
 }
 
 // Wide CTAs (one per SM) where the (b, KV head, head chunk) CTAs are fewer than the SMs, unless
-// set_decode_v2_ctas forced a shape.
-inline bool UseWide(int64_t ctas) {
-  switch (g_decode_v2_ctas.load(std::memory_order_relaxed)) {
-    case kDecodeV2Narrow:
-      return false;
-    case kDecodeV2Wide:
-      return true;
-    default:
-      return ctas < CurrentDeviceSmCount();
-  }
+// the call forced a shape.
+inline bool UseWide(int64_t ctas, DecodeCtas shape) {
+  if (shape == DecodeCtas::kAuto) return ctas < CurrentDeviceSmCount();
+  return shape == DecodeCtas::kWide;
 }
 
-// Zeroes the split counters (a one-CTA kernel node; defined in cuda/gqa_decode_v2.cu).
+// Zeroes the split counters (a one-CTA kernel node; defined in cuda/gqa_decode_simt.cu).
 void LaunchZeroCounters(unsigned* counters, int n, cudaStream_t stream);
 
 // Launches a one-launch split-K decode kernel: `plan.num_splits` clamped to the workspace
 // (partials, then one counter per (b, KV head, head chunk)); when it splits, the counters come
-// from the pool or, zeroed first, from the workspace.
+// from the pool (unless the call asked for the workspace's, or is too large for the pool) or,
+// zeroed first, from the workspace.
 // The kernel is a template argument so each one keeps its own shared-memory opt-in bit.
 template <auto Kernel, typename T>
 cudaError_t LaunchSplitDecode(const GqaParams<T>& p, int chunks, int threads, int smem,
-                              const GqaDecodePlan& plan, cudaStream_t stream) {
+                              const GqaDecodePlan& plan, SplitCounters counters,
+                              cudaStream_t stream) {
   if (p.batch <= 0 || p.num_q_heads <= 0) return cudaSuccess;
   if (p.batch > 65535 || p.num_kv_heads * chunks > 65535) return cudaErrorInvalidConfiguration;
   static std::atomic<uint64_t> configured{0};
@@ -267,7 +261,9 @@ cudaError_t LaunchSplitDecode(const GqaParams<T>& p, int chunks, int threads, in
   if (splits < 2) splits = 1;
   int counter_region = -1;
   if (splits > 1) {
-    counter_region = TakeCounterRegion(static_cast<int>(ctas));
+    if (counters == SplitCounters::kPool) {
+      counter_region = TakeCounterRegion(static_cast<int>(ctas));
+    }
     if (counter_region < 0) {
       LaunchZeroCounters(WorkspaceCounters(p, splits), static_cast<int>(ctas), stream);
     }

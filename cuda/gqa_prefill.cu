@@ -14,6 +14,7 @@
 #include "cuda/device_info.h"
 #include "cuda/gqa_prefill.cuh"
 #include "cuda/gqa_prefill_common.cuh"
+#include "cuda/head_dims.h"
 #include "cuda/kernel_common.cuh"
 #include "cuda/mma.cuh"
 
@@ -208,9 +209,18 @@ __global__ void __launch_bounds__(32) GqaPrefillRowKernel(const GqaParams<T> p) 
   }
 }
 
+}  // namespace
+
+bool PrefillUsesWgmma(PrefillKernel kernel, int head_dim, int itemsize) {
+  return kernel == PrefillKernel::kAuto && WgmmaPrefillTakes(head_dim, itemsize) &&
+         CurrentDeviceComputeCapability() == 90;
+}
+
 template <typename T, int HEAD_DIM>
-cudaError_t LaunchForHeadDim(const GqaParams<T>& p, cudaStream_t stream, PrefillKernel kernel) {
-  if constexpr (!std::is_same_v<T, float> && (HEAD_DIM == 64 || HEAD_DIM == 128)) {
+cudaError_t LaunchGqaPrefill(const GqaParams<T>& p, cudaStream_t stream, PrefillKernel kernel) {
+  if (p.batch <= 0 || p.num_q_heads <= 0) return cudaSuccess;
+  if (p.batch > 65535 || p.num_q_heads > 65535) return cudaErrorInvalidConfiguration;
+  if constexpr (WgmmaPrefillTakes(HEAD_DIM, sizeof(T))) {
     if (PrefillUsesWgmma(kernel, HEAD_DIM, sizeof(T))) {
       return LaunchGqaPrefillWgmma<T, HEAD_DIM>(p, stream);
     }
@@ -231,25 +241,11 @@ cudaError_t LaunchForHeadDim(const GqaParams<T>& p, cudaStream_t stream, Prefill
   return cudaGetLastError();
 }
 
-}  // namespace
-
-bool PrefillUsesWgmma(PrefillKernel kernel, int head_dim, int itemsize) {
-  return kernel == PrefillKernel::kAuto && itemsize == 2 && (head_dim == 64 || head_dim == 128) &&
-         CurrentDeviceComputeCapability() == 90;
-}
-
-template <typename T>
-cudaError_t LaunchGqaPrefill(const GqaParams<T>& p, cudaStream_t stream, PrefillKernel kernel) {
-  if (p.batch <= 0 || p.num_q_heads <= 0) return cudaSuccess;
-  if (p.batch > 65535 || p.num_q_heads > 65535) return cudaErrorInvalidConfiguration;
-  JKV_DISPATCH_HEAD_DIM(p.head_dim, HEAD_DIM,
-                        return LaunchForHeadDim<T, HEAD_DIM>(p, stream, kernel););
-  return cudaSuccess;
-}
-
-template cudaError_t LaunchGqaPrefill<float>(const GqaParams<float>&, cudaStream_t, PrefillKernel);
-template cudaError_t LaunchGqaPrefill<bf16_t>(const GqaParams<bf16_t>&, cudaStream_t,
-                                              PrefillKernel);
-template cudaError_t LaunchGqaPrefill<f16_t>(const GqaParams<f16_t>&, cudaStream_t, PrefillKernel);
+#define JKV_PREFILL_INSTANTIATE(D, T) \
+  template cudaError_t LaunchGqaPrefill<T, D>(const GqaParams<T>&, cudaStream_t, PrefillKernel);
+JKV_FOR_EACH_HEAD_DIM(JKV_PREFILL_INSTANTIATE, float)
+JKV_FOR_EACH_HEAD_DIM(JKV_PREFILL_INSTANTIATE, bf16_t)
+JKV_FOR_EACH_HEAD_DIM(JKV_PREFILL_INSTANTIATE, f16_t)
+#undef JKV_PREFILL_INSTANTIATE
 
 }  // namespace jax_kv

@@ -1,4 +1,5 @@
-// Device helpers shared by the jax_kv kernels: 16-byte vectors <-> float, head-dim dispatch.
+// Device helpers shared by the jax_kv kernels: 16-byte vectors <-> float, reductions, the
+// decode split store.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -12,34 +13,6 @@
 #include "cuda/gqa_params.h"
 
 namespace jax_kv {
-
-// Turns the runtime head_dim into `constexpr int HEAD_DIM` for the body (FlashInfer's
-// DISPATCH_HEAD_DIM); anything else is cudaErrorInvalidValue (the handler checked it first).
-#define JKV_DISPATCH_HEAD_DIM(head_dim, HEAD_DIM, ...)                            \
-  switch (head_dim) {                                                             \
-    case 64: {                                                                    \
-      constexpr int HEAD_DIM = 64;                                                \
-      __VA_ARGS__                                                                 \
-    } break;                                                                      \
-    case 80: {                                                                    \
-      constexpr int HEAD_DIM = 80;                                                \
-      __VA_ARGS__                                                                 \
-    } break;                                                                      \
-    case 96: {                                                                    \
-      constexpr int HEAD_DIM = 96;                                                \
-      __VA_ARGS__                                                                 \
-    } break;                                                                      \
-    case 128: {                                                                   \
-      constexpr int HEAD_DIM = 128;                                               \
-      __VA_ARGS__                                                                 \
-    } break;                                                                      \
-    case 256: {                                                                   \
-      constexpr int HEAD_DIM = 256;                                               \
-      __VA_ARGS__                                                                 \
-    } break;                                                                      \
-    default:                                                                      \
-      return cudaErrorInvalidValue; /* head_dim must be 64, 80, 96, 128 or 256 */ \
-  }
 
 constexpr float kLog2e = 1.4426950408889634f;
 // A finite "minus infinity" for running maxima: exp2(sentinel - sentinel) = 1, not NaN, so

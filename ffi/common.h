@@ -1,5 +1,6 @@
-// Shared by the CPU and CUDA handlers: layout -> strides, buffer checks, params filling,
-// dtype and head-dim dispatch. One place, so the two platforms cannot disagree on a contract.
+// Shared by the CPU and CUDA handlers: layout -> strides, buffer checks, params filling, the
+// dtype dispatch (the head-dim one is cuda/head_dims.h), the FFI bindings. One place, so the two
+// platforms cannot disagree on a contract.
 #pragma once
 
 #include <cstdint>
@@ -7,6 +8,7 @@
 
 #include "cuda/dtypes.h"
 #include "cuda/gqa_params.h"
+#include "cuda/head_dims.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_kv {
@@ -67,10 +69,6 @@ inline std::string DimsString(ffi::AnyBuffer::Dimensions dims) {
   return s + "]";
 }
 
-inline bool SupportedHeadDim(int64_t d) {
-  return d == 64 || d == 80 || d == 96 || d == 128 || d == 256;
-}
-
 // Checks every buffer of a gqa_decode / gqa_prefill call against the contract and fills the
 // params. `num_tokens_axis` is false for decode (q [B, Hq, D]) and true for prefill
 // (q [B, T, Hq, D]). Data pointers are typed by the caller's dispatch.
@@ -116,10 +114,7 @@ ffi::Error FillGqaParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
     return InvalidArgument("q: expected a multiple of Hkv=" + std::to_string(Hkv) +
                            " query heads, got Hq=" + std::to_string(Hq));
   }
-  if (!SupportedHeadDim(D)) {
-    return InvalidArgument("q: head_dim must be one of 64, 80, 96, 128, 256, got " +
-                           std::to_string(D));
-  }
+  if (!SupportedHeadDim(D)) return InvalidArgument("q: " + HeadDimError(D));
   for (auto [name, buf] : {std::pair{"k", &k}, std::pair{"v", &v}}) {
     auto d = buf->dimensions();
     bool ok = d.size() == static_cast<size_t>(qrank) && d[0] == B && d[qrank - 2] == Hkv &&
@@ -236,11 +231,19 @@ inline ffi::Error FillGrowParams(ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> len
       .Attr<float>("softcap")                                             \
       .Attr<int32_t>("window")
 #define JKV_GQA_COMMITTED_ARG .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* committed [B] */
-#define JKV_GQA_DECODE_BINDING(ctx) JKV_GQA_ARGS(ctx) JKV_GQA_COMMITTED_ARG JKV_GQA_RETS_ATTRS
+// Kernel choices for tests and benchmarks (jax_kv/ops: the `_kernel`, `_cta_shape` and
+// `_split_counters` hooks): attributes, so each choice is part of the compiled call. The CPU
+// handlers bind and ignore them: a call lowers the same way on both platforms.
+#define JKV_GQA_DECODE_BINDING(ctx)                                         \
+  JKV_GQA_ARGS(ctx)                                                         \
+  JKV_GQA_COMMITTED_ARG JKV_GQA_RETS_ATTRS                                  \
+      .Attr<int32_t>("kernel")         /* DecodeKernel: auto, simt, mma */  \
+      .Attr<int32_t>("cta_shape")      /* DecodeCtas: auto, narrow, wide */ \
+      .Attr<int32_t>("split_counters") /* SplitCounters: pool, workspace */
 #define JKV_GQA_PREFILL_BINDING(ctx)                                                          \
   JKV_GQA_ARGS(ctx)                                                                           \
       .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* new_lengths [B] */ JKV_GQA_COMMITTED_ARG \
-          JKV_GQA_RETS_ATTRS
+          JKV_GQA_RETS_ATTRS.Attr<int32_t>("kernel") /* PrefillKernel: auto, mma */
 #define JKV_GROW_BINDING(ctx)                                         \
   ::xla::ffi::Ffi::Bind()                                             \
       ctx.Arg<::xla::ffi::AnyBuffer>()                /* cache */     \

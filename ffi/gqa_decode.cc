@@ -1,14 +1,14 @@
-// CUDA handler of jax_kv_gqa_decode: checks buffers, fills params, launches the selected
-// split-K kernel (1, 2 or 3, ffi/kernel_choice.h).
+// CUDA handler of jax_kv_gqa_decode: checks buffers and attributes, fills params, dispatches the
+// dtype and the head dim, launches the kernel the call runs (cuda/gqa_decode.cuh).
 #include "cuda/gqa_decode.cuh"
 
 #include <cuda_runtime.h>
 
 #include <string>
 
+#include "cuda/head_dims.h"
 #include "ffi/common.h"
 #include "ffi/host_calls.h"
-#include "ffi/kernel_choice.h"
 
 namespace jax_kv {
 
@@ -19,25 +19,25 @@ static ffi::Error GqaDecodeImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
                                 ffi::Result<ffi::AnyBuffer> out,
                                 ffi::Result<ffi::Buffer<ffi::S32>> status,
                                 ffi::Result<ffi::Buffer<ffi::F32>> workspace, int32_t layout,
-                                float scale, float softcap, int32_t window) {
+                                float scale, float softcap, int32_t window, int32_t kernel,
+                                int32_t cta_shape, int32_t split_counters) {
   GqaParams<T> p;
   ffi::Error err =
       FillGqaParams<T>(q, k, v, k_cache, v_cache, lengths, /*new_lengths=*/nullptr, committed, out,
                        status, workspace, layout, scale, softcap, window,
                        /*has_token_axis=*/false, &p);
   if (err.failure()) return err;
+  constexpr int kItemsize = sizeof(T);
+  const std::string bad =
+      DecodeOptionsError(kernel, cta_shape, split_counters, p.head_dim, kItemsize);
+  if (!bad.empty()) return InvalidArgument(bad);
+  const DecodeOptions options =
+      MakeDecodeOptions(kernel, cta_shape, split_counters, p.head_dim, kItemsize);
   // status is written by the kernel for every b (no memset node needed).
-  cudaError_t e;
-  switch (g_decode_kernel.load(std::memory_order_relaxed)) {
-    case 1:
-      e = LaunchGqaDecode<T>(p, stream);
-      break;
-    case 3:
-      e = LaunchGqaDecodeMma<T>(p, stream);
-      break;
-    default:
-      e = LaunchGqaDecodeV2<T>(p, stream);
-  }
+  cudaError_t e = cudaSuccess;
+  JKV_DISPATCH_HEAD_DIM(p.head_dim, HEAD_DIM,
+                        return InvalidArgument("q: " + HeadDimError(p.head_dim)),
+                        e = LaunchGqaDecode<T, HEAD_DIM>(p, options, stream););
   if (e != cudaSuccess) {
     return ffi::Error::Internal(std::string("jax_kv_gqa_decode: ") + cudaGetErrorString(e));
   }
@@ -50,10 +50,12 @@ static ffi::Error GqaDecodeDispatch(
     ffi::Buffer<ffi::S32> committed, ffi::Result<ffi::AnyBuffer> out,
     ffi::Result<ffi::AnyBuffer> k_cache, ffi::Result<ffi::AnyBuffer> v_cache,
     ffi::Result<ffi::Buffer<ffi::S32>> status, ffi::Result<ffi::Buffer<ffi::F32>> workspace,
-    int32_t layout, float scale, float softcap, int32_t window) {
+    int32_t layout, float scale, float softcap, int32_t window, int32_t kernel, int32_t cta_shape,
+    int32_t split_counters) {
   CountHostCall(kHostCallDecode);
   JKV_DISPATCH_DTYPE(q.element_type(), GqaDecodeImpl, stream, q, k, v, *k_cache, *v_cache, lengths,
-                     committed, out, status, workspace, layout, scale, softcap, window);
+                     committed, out, status, workspace, layout, scale, softcap, window, kernel,
+                     cta_shape, split_counters);
 }
 
 }  // namespace jax_kv

@@ -10,7 +10,7 @@ static ffi::Error GqaPrefillCpuDispatch(
     ffi::Buffer<ffi::S32> committed, ffi::Result<ffi::AnyBuffer> out,
     ffi::Result<ffi::AnyBuffer> k_cache, ffi::Result<ffi::AnyBuffer> v_cache,
     ffi::Result<ffi::Buffer<ffi::S32>> status, ffi::Result<ffi::Buffer<ffi::F32>> workspace,
-    int32_t layout, float scale, float softcap, int32_t window) {
+    int32_t layout, float scale, float softcap, int32_t window, int32_t /*kernel*/) {
   if (new_lengths.element_count() != lengths.element_count()) {
     return InvalidArgument("new_lengths: expected int32 [B], the shape of lengths");
   }

@@ -1,6 +1,8 @@
-// NB_MODULE(_ffi_cpu): hands the CPU handlers to Python as capsules for jax.ffi registration.
+// NB_MODULE(_ffi_cpu): hands the CPU handlers to Python as capsules for jax.ffi registration,
+// and the supported head dims (cuda/head_dims.h) for the test that Python's list agrees.
 #include <nanobind/nanobind.h>
 
+#include "cuda/head_dims.h"
 #include "xla/ffi/api/api.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvGqaDecodeCpu);
@@ -25,5 +27,13 @@ NB_MODULE(_ffi_cpu, m) {
     d["jax_kv_grow_cache"] = Capsule(JaxKvGrowCacheCpu);
     return d;
   });
+  m.def(
+      "supported_head_dims",
+      []() {
+        nb::list dims;
+        for (int d : jax_kv::kSupportedHeadDims) dims.append(d);
+        return dims;
+      },
+      "The head dims the handlers and kernels are built for (cuda/head_dims.h), increasing.");
   RegisterDlpack(m);
 }

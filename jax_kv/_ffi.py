@@ -22,10 +22,6 @@ def register() -> None:
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
     cuda = cuda_module()
     if cuda is not None:
-        from jax_kv.config import runtime_config
-
-        cuda.set_decode_kernel(runtime_config().decode_kernel)
-        cuda.set_prefill_kernel(runtime_config().prefill_kernel)
         for name, capsule in cuda.registrations().items():
             jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
 

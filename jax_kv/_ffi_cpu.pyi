@@ -12,3 +12,7 @@ def export_view(
 ) -> Any:
     """A DLPack-capable view [shape] of `ptr` (256-byte aligned); `owner` stays alive until
     the last consumer (XLA) releases the view."""
+
+def supported_head_dims() -> list[int]:
+    """The head dims the handlers and kernels are built for (cuda/head_dims.h), increasing;
+    jax_kv.ops._common.SUPPORTED_HEAD_DIMS must equal it."""

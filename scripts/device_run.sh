@@ -4,7 +4,7 @@
 #   bash scripts/device_run.sh [stages...]   stages: build ops ops-off gen cache attn generate profile san
 #     prefill-profile failsafe vmm-san soak
 # GEN_MODELS, GEN_BATCH, GEN_TOKENS, GEN_IMPLS, GEN_TIMEOUT set bench/generate.py's run.
-# ATTN_ARGS passes options to bench/attention.py (e.g. "--decode-kernel both"), ATTN_TIMEOUT
+# ATTN_ARGS passes options to bench/attention.py (e.g. "--decode-kernel auto,simt"), ATTN_TIMEOUT
 # its time limit in seconds (200); PROF_ARGS / PROF_TIMEOUT the same for bench/step_profile.py;
 # The device's copy of .git can be stale: pass JAX_KV_COMMIT=$(git rev-parse --short HEAD) from
 # the checkout so the benchmarks' JSON names the tree that ran.

@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kv import Layout
+from jax_kv.ops._common import SUPPORTED_HEAD_DIMS
 
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 HEADS = [(8, 8), (32, 8), (28, 4), (7, 1)]  # (Hq, Hkv): MHA, GQA 4, GQA 7, MQA 7
-HEAD_DIMS = [64, 80, 96, 128, 256]
+HEAD_DIMS = list(SUPPORTED_HEAD_DIMS)
 
 
 def randn(rng: np.random.Generator, shape, dtype) -> jnp.ndarray:

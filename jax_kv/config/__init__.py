@@ -69,20 +69,6 @@ def _commit_ahead(name: str, raw: str) -> int:
     return value
 
 
-def _decode_kernel(name: str, raw: str) -> int:
-    value = _parse_int(name, raw)
-    if value not in (1, 2, 3):
-        raise ConfigError(f"{name}: expected 1, 2 or 3, got {raw!r}")
-    return value
-
-
-def _prefill_kernel(name: str, raw: str) -> str:
-    value = raw.strip().lower()
-    if value not in ("auto", "mma"):
-        raise ConfigError(f"{name}: expected auto or mma, got {raw!r}")
-    return value
-
-
 def _pool_bytes(name: str, raw: str) -> int:
     if raw.strip() == "0":
         return 0
@@ -102,17 +88,6 @@ class RuntimeConfig:
         prefix at each growth (None: one min_bucket).
     pool_bytes: JAX_KV_POOL_BYTES, physical memory the VMM arena keeps created ahead of need
         (64 MiB); it is device memory in use, reported as pooled_bytes.
-    decode_kernel: JAX_KV_DECODE_KERNEL, which CUDA decode kernel gqa_decode launches: 3
-        (the default: kernel 2's grid with the tile math on tensor cores, for bf16/f16 at head
-        dims 64-128; other calls run kernel 2), 2 (cp.async pipelines, one launch, CUDA-core
-        math, wide CTAs where B * Hkv is under the SM count) or 1 (split-K with a combine
-        kernel).
-        Applied when the CUDA module is registered; `_ffi_cuda.set_decode_kernel` changes it
-        later (a recorded CUDA graph keeps the kernel it was recorded with).
-    prefill_kernel: JAX_KV_PREFILL_KERNEL, which CUDA prefill kernel gqa_prefill launches:
-        "auto" (the default: the wgmma kernel for bf16/f16 at head dims 64 and 128 on a
-        compute-capability 9.0 GPU, the mma.sync kernel otherwise) or "mma" (mma.sync always).
-        Applied like decode_kernel (`_ffi_cuda.set_prefill_kernel` changes it later).
     """
 
     min_bucket: int = 256
@@ -120,8 +95,6 @@ class RuntimeConfig:
     reserve_bytes: int | None = None
     commit_ahead: int | None = None
     pool_bytes: int = 64 << 20
-    decode_kernel: int = 3
-    prefill_kernel: str = "auto"
 
 
 # variable -> (field, parser). The one table both from_env and the freeze guard read, so the
@@ -132,14 +105,23 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "JAX_KV_RESERVE_BYTES": ("reserve_bytes", _parse_bytes),
     "JAX_KV_COMMIT_AHEAD": ("commit_ahead", _commit_ahead),
     "JAX_KV_POOL_BYTES": ("pool_bytes", _pool_bytes),
-    "JAX_KV_DECODE_KERNEL": ("decode_kernel", _decode_kernel),
-    "JAX_KV_PREFILL_KERNEL": ("prefill_kernel", _prefill_kernel),
+}
+
+# Variables jax_kv no longer reads, and why: set, they are refused by name rather than ignored.
+_RETIRED: dict[str, str] = {
+    "JAX_KV_DECODE_KERNEL": "the CUDA decode kernel is chosen from the call's dtype and head "
+    "dim (issue 20)",
+    "JAX_KV_PREFILL_KERNEL": "the CUDA prefill kernel is chosen from the call's dtype, head dim "
+    "and GPU (issue 20)",
 }
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> RuntimeConfig:
     """A RuntimeConfig parsed from `environ` (default os.environ), without freezing anything."""
     environ = os.environ if environ is None else environ
+    for name, why in _RETIRED.items():
+        if environ.get(name, "").strip() != "":
+            raise ConfigError(f"{name} was removed: {why}. Unset it.")
     values = {}
     for name, (field, parse) in _VARIABLES.items():
         raw = environ.get(name)

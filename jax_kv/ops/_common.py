@@ -14,8 +14,20 @@ import numpy as np
 from jax_kv import _ffi
 from jax_kv.layout import Layout
 
+# The head dims the FFI handlers and kernels are built for; cuda/head_dims.h spells them for C++
+# and tests/ops/test_dispatch.py checks the two agree.
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+# Kernel choices of gqa_decode / gqa_prefill for tests and benchmarks (their `_kernel`,
+# `_cta_shape` and `_split_counters` keywords). Each value's position is the int32 attribute
+# the handler reads (cuda/gqa_decode.cuh DecodeKernel, DecodeCtas, SplitCounters;
+# cuda/gqa_prefill.cuh PrefillKernel): the choice is part of the compiled call, so switching
+# it compiles a new executable and never needs jax.clear_caches(). The CPU handlers ignore them.
+DECODE_KERNELS = ("auto", "simt", "mma")  # auto: mma for bf16/f16 at D <= 128, else simt
+CTA_SHAPES = ("auto", "narrow", "wide")  # auto: wide where B * Hkv * head chunks < SMs
+SPLIT_COUNTERS = ("pool", "workspace")
+PREFILL_KERNELS = ("auto", "mma")  # auto: wgmma for bf16/f16 at D 64, 128 on sm_90
 
 
 def describe(x: Any) -> str:
@@ -134,38 +146,55 @@ def check_attention_inputs(
     return B, T, Hq, Hkv, D, S
 
 
-def workspace_shape(
-    op: str, batch: int, num_tokens: int, num_q_heads: int, head_dim: int, capacity: int
+def choice_attr(name: str, value: str, choices: tuple[str, ...]) -> np.int32:
+    """The int32 attribute of a kernel choice (`choices` is one of the tuples above)."""
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+    return np.int32(choices.index(value))
+
+
+def decode_workspace_shape(
+    batch: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: Any,
+    kernel: np.int32,
+    cta_shape: np.int32,
 ) -> tuple[int]:
-    """Float32 scratch a handler may use (split-K partials). Sized here, never allocated by a
-    handler, so the handlers stay command-buffer compatible. Zero on CPU."""
+    """Float32 scratch of one gqa_decode call (split-K partials and counters), sized for the
+    kernel, CTA shape and split plan that call runs. Sized here, never allocated by a handler,
+    so the handlers stay command-buffer compatible. Zero on CPU."""
     cuda = _ffi.cuda_module()
-    if cuda is None or jax.default_backend() != "gpu" or not hasattr(cuda, "workspace_floats"):
-        return (0,)
-    return (int(cuda.workspace_floats(op, batch, num_tokens, num_q_heads, head_dim, capacity)),)
+    if cuda is None or jax.default_backend() != "gpu" or batch == 0:
+        return (0,)  # (B = 0: the launcher returns before launching anything)
+    itemsize = jnp.dtype(dtype).itemsize
+    args = (batch, num_q_heads, num_kv_heads, head_dim, itemsize, int(kernel), int(cta_shape))
+    return (int(cuda.decode_plan(*args)["workspace_floats"]),)
 
 
 def call_attention(
-    op: str, args: tuple, attrs: dict[str, np.generic], capacity: int, return_status: bool
+    op: str,
+    args: tuple,
+    attrs: dict[str, np.generic],
+    workspace: tuple[int],
+    return_status: bool,
 ) -> tuple[jax.Array, ...]:
     """The FFI call of gqa_decode / gqa_prefill (op "decode" / "prefill").
 
     args: (q, k, v, k_cache, v_cache, lengths[, new_lengths], committed). The caches come
-    back aliased
-    to the inputs (updated in place when donated); the status [B] is returned on request and
-    the handler's workspace is dropped.
+    back aliased to the inputs (updated in place when donated); the status [B] is returned on
+    request and the handler's float32 workspace (of shape `workspace`) is dropped.
     """
     q, k_cache, v_cache = args[0], args[3], args[4]
-    B, Hq, D = q.shape[0], q.shape[-2], q.shape[-1]
-    T = q.shape[1] if op == "prefill" else 1
     call = jax.ffi.ffi_call(
         f"jax_kv_gqa_{op}",
         (
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
             jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
-            jax.ShapeDtypeStruct((B,), jnp.int32),
-            jax.ShapeDtypeStruct(workspace_shape(op, B, T, Hq, D, capacity), jnp.float32),
+            jax.ShapeDtypeStruct((q.shape[0],), jnp.int32),
+            jax.ShapeDtypeStruct(workspace, jnp.float32),
         ),
         input_output_aliases={3: 1, 4: 2},
         vmap_method="sequential",

@@ -23,6 +23,9 @@ def gqa_decode(
     window: int | None = None,
     committed: jax.Array | None = None,
     return_status: bool = False,
+    _kernel: str = "auto",
+    _cta_shape: str = "auto",
+    _split_counters: str = "pool",
 ) -> tuple[jax.Array, ...]:
     """One GQA decode step over a growing KV cache.
 
@@ -46,16 +49,29 @@ def gqa_decode(
             device are checked there: a row with lengths[b] >= min(S, committed[b]) latches
             status 1, its output is NaN and its cache untouched (CPU and CUDA alike); the
             other rows are computed.
+        _kernel, _cta_shape, _split_counters: test and benchmark hooks, not API. The CUDA
+            kernel a call runs is chosen from its dtype and head dim ("auto": the tensor-core
+            kernel "mma" for bf16/f16 at D <= 128, the CUDA-core kernel "simt" otherwise);
+            "simt" and "mma" force one ("mma" only where it applies). The CTA shape ("auto",
+            "narrow", "wide") and the split counters' home ("pool", "workspace") likewise. Each
+            is an attribute of the compiled call; the CPU handler ignores them.
 
     Returns:
         (out [B, Hq, D], k_cache, v_cache), plus status [B] if return_status.
     """
     _ffi.register()
     layout = Layout.parse(layout)
-    B, _, Hq, _, D, S = _common.check_attention_inputs(
+    B, _, Hq, Hkv, D, S = _common.check_attention_inputs(
         q, k, v, k_cache, v_cache, layout, token_axis=False
     )
     attrs = _common.attention_attrs(layout, D, scale, softcap, window)
+    attrs.update(
+        kernel=_common.choice_attr("_kernel", _kernel, _common.DECODE_KERNELS),
+        cta_shape=_common.choice_attr("_cta_shape", _cta_shape, _common.CTA_SHAPES),
+        split_counters=_common.choice_attr(
+            "_split_counters", _split_counters, _common.SPLIT_COUNTERS
+        ),
+    )
     known = _common.check_lengths("lengths", lengths, B)
     committed, bound = _common.committed_or_capacity(committed, B, S)
     if known is not None:
@@ -67,5 +83,8 @@ def gqa_decode(
                 + (f" and committed[b]={int(bound[b])}" if bound[b] < S else "")
                 + f", got lengths[{b}]={x}"
             )
+    workspace = _common.decode_workspace_shape(
+        B, Hq, Hkv, D, q.dtype, attrs["kernel"], attrs["cta_shape"]
+    )
     args = (q, k, v, k_cache, v_cache, lengths, committed)
-    return _common.call_attention("decode", args, attrs, S, return_status)
+    return _common.call_attention("decode", args, attrs, workspace, return_status)

@@ -26,6 +26,7 @@ def gqa_prefill(
     window: int | None = None,
     committed: jax.Array | None = None,
     return_status: bool = False,
+    _kernel: str = "auto",
 ) -> tuple[jax.Array, ...]:
     """Causal GQA prefill of T tokens per sequence into a growing KV cache.
 
@@ -43,16 +44,20 @@ def gqa_prefill(
             (default T); lengths + new_lengths <= S.
         layout, scale, softcap, window, committed, return_status: as in gqa_decode
             (here lengths[b] + new_lengths[b] <= min(S, committed[b])).
+        _kernel: a test and benchmark hook, not API: "auto" (the wgmma kernel for bf16/f16 at
+            D 64 and 128 on a compute-capability 9.0 GPU, mma.sync otherwise) or "mma"
+            (mma.sync always). An attribute of the compiled call; the CPU handler ignores it.
 
     Returns:
         (out [B, T, Hq, D], k_cache, v_cache), plus status [B] if return_status.
     """
     _ffi.register()
     layout = Layout.parse(layout)
-    B, T, Hq, _, D, S = _common.check_attention_inputs(
+    B, T, _, _, D, S = _common.check_attention_inputs(
         q, k, v, k_cache, v_cache, layout, token_axis=True
     )
     attrs = _common.attention_attrs(layout, D, scale, softcap, window)
+    attrs["kernel"] = _common.choice_attr("_kernel", _kernel, _common.PREFILL_KERNELS)
     known = _common.check_lengths("lengths", lengths, B)
     committed, bound = _common.committed_or_capacity(committed, B, S)
     if new_lengths is None:
@@ -80,4 +85,4 @@ def gqa_prefill(
                     f"tokens (prefill would overflow the cache)"
                 )
     args = (q, k, v, k_cache, v_cache, lengths, new_lengths, committed)
-    return _common.call_attention("prefill", args, attrs, S, return_status)
+    return _common.call_attention("prefill", args, attrs, (0,), return_status)

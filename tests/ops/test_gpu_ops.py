@@ -1,9 +1,11 @@
 """The CUDA handlers against the CPU handlers and the float64 reference: both layouts, every
 dtype, GQA ratios 1..8 and 7, head dims, lengths at split-chunk edges, ragged prefill, window,
 softcap; the device-side status path; the host-call counter as the CUDA-graph replay signal.
-Every decode test runs once per CUDA decode kernel and CTA shape (kernel 1, kernels 2 and 3
-with narrow and with wide CTAs: the `decode_kernel` fixture forces the shape that the auto rule
-would pick for only some of the shapes; kernel 3 hands f32 and D=256 to kernel 2).
+Every decode test runs once per decode kernel choice and CTA shape (the `decode_kernel`
+fixture: "auto", which runs the tensor-core kernel mma for bf16/f16 at D <= 128 and the
+CUDA-core kernel simt elsewhere, and "simt" forced everywhere, each with narrow and with wide
+CTAs, which the auto rule picks for only some of the shapes). The choices are gqa_decode's and
+gqa_prefill's test hooks: attributes of the compiled call, so no test clears jax's caches.
 
 Run twice, with command buffers forced on (XLA_FLAGS=--xla_gpu_graph_min_graph_size=1) and
 off (--xla_gpu_enable_command_buffer=); the counter test starts its own processes for both.
@@ -29,6 +31,7 @@ from reference import (
 )
 
 from jax_kv import Layout, gqa_decode, gqa_prefill, grow_cache
+from jax_kv.ops._common import CTA_SHAPES, DECODE_KERNELS, PREFILL_KERNELS
 
 pytestmark = pytest.mark.gpu
 LAYOUTS = list(Layout)
@@ -38,49 +41,41 @@ dtype_ids = lambda d: jnp.dtype(d).name  # noqa: E731
 
 @pytest.fixture(
     params=[
-        (1, "auto", "pool"),
-        (2, "narrow", "pool"),
-        (2, "wide", "pool"),
-        (3, "narrow", "pool"),
-        (3, "wide", "pool"),
-        (2, "narrow", "workspace"),
-        (3, "wide", "workspace"),
+        ("auto", "narrow", "pool"),
+        ("auto", "wide", "pool"),
+        ("simt", "narrow", "pool"),
+        ("simt", "wide", "pool"),
+        ("simt", "narrow", "workspace"),
+        ("auto", "wide", "workspace"),
     ],
-    ids=lambda k: f"kernel{k[0]}-{k[1]}" + ("-ws" if k[2] == "workspace" else ""),
+    ids=lambda k: f"{k[0]}-{k[1]}" + ("-ws" if k[2] == "workspace" else ""),
 )
 def decode_kernel(request):
-    """Selects CUDA decode kernel 1, 2 or 3 (with kernels 2 and 3's CTA shape and where their
-    split counters live: the pool, or the workspace zeroed per launch) for one test and
-    restores the previous selection. Caches are cleared first: an executable recorded as a
-    CUDA graph keeps the kernel it was recorded with."""
-    mod = cuda_module()
-    before = mod.decode_kernel(), mod.decode_v2_ctas(), mod.split_counters()
-    jax.clear_caches()
+    """gqa_decode's kernel hooks for one test: the kernel choice, the CTA shape and where the
+    split counters live (the pool, or the workspace zeroed per launch)."""
     kernel, shape, counters = request.param
-    mod.set_decode_kernel(kernel)
-    mod.set_decode_v2_ctas(shape)
-    mod.set_split_counters(counters)
-    yield kernel
-    mod.set_decode_kernel(before[0])
-    mod.set_decode_v2_ctas(before[1])
-    mod.set_split_counters(before[2])
-    jax.clear_caches()
+    return dict(_kernel=kernel, _cta_shape=shape, _split_counters=counters)
 
 
-@pytest.fixture(params=["auto", "mma"], ids=lambda k: f"prefill-{k}")
+@pytest.fixture(params=PREFILL_KERNELS, ids=lambda k: f"prefill-{k}")
 def prefill_kernel(request):
-    """Selects the CUDA prefill kernel for one test ('auto': wgmma for bf16/f16 at head dims 64
-    and 128 on this H200, asserted; 'mma': the mma.sync kernel) and restores the selection."""
+    """gqa_prefill's kernel hook for one test ('auto': wgmma for bf16/f16 at head dims 64 and
+    128 on this H200, asserted; 'mma': the mma.sync kernel)."""
     mod = cuda_module()
-    before = mod.prefill_kernel()
-    jax.clear_caches()
-    mod.set_prefill_kernel(request.param)
     if request.param == "auto" and jax.devices("cuda")[0].compute_capability == "9.0":
-        assert mod.prefill_uses_wgmma(128, 2) and mod.prefill_uses_wgmma(64, 2)
-        assert not mod.prefill_uses_wgmma(96, 2) and not mod.prefill_uses_wgmma(128, 4)
-    yield request.param
-    mod.set_prefill_kernel(before)
-    jax.clear_caches()
+        assert mod.prefill_uses_wgmma(128, 2, 0) and mod.prefill_uses_wgmma(64, 2, 0)
+        assert not mod.prefill_uses_wgmma(96, 2, 0) and not mod.prefill_uses_wgmma(128, 4, 0)
+        assert not mod.prefill_uses_wgmma(128, 2, 1)
+    return dict(_kernel=request.param)
+
+
+def decode_plan(B, Hq, Hkv, D, dtype, hooks=None):
+    """The plan of the decode call with these hooks on this GPU: {"kernel": "mma" or "simt",
+    "num_splits", "chunk_multiple", "min_chunk", "workspace_floats"}."""
+    hooks = hooks or {}
+    kernel = DECODE_KERNELS.index(hooks.get("_kernel", "auto"))
+    shape = CTA_SHAPES.index(hooks.get("_cta_shape", "auto"))
+    return cuda_module().decode_plan(B, Hq, Hkv, D, jnp.dtype(dtype).itemsize, kernel, shape)
 
 
 def on_cpu(fn, *args, **kw):
@@ -97,8 +92,10 @@ def on_gpu(fn, *args, **kw):
 def decode_lengths(rng, B, S, plan):
     """0, 1, S - 1, both sides of the minimum split chunk (L = min_chunk leaves the new token
     alone in split 1), both sides of the chunk the splits give at S - 1, random. `plan` is
-    the selected kernel's (num_splits, chunk_multiple, min_chunk)."""
-    num_splits, multiple, min_chunk = plan
+    the call's decode_plan()."""
+    num_splits, multiple, min_chunk = (
+        plan[k] for k in ("num_splits", "chunk_multiple", "min_chunk")
+    )
     chunk = -(-S // max(1, num_splits))
     chunk = max(min_chunk, -(-chunk // multiple) * multiple)
     fixed = [0, 1, S - 1, min_chunk - 1, min_chunk, chunk - 1, chunk, 2 * chunk]
@@ -106,15 +103,15 @@ def decode_lengths(rng, B, S, plan):
     return np.minimum(np.asarray(vals, np.int32), S - 1)
 
 
-def check_decode(rng, layout, dtype, Hq, Hkv, D, *, S=1024, B=8, **kw):
-    plan = cuda_module().decode_plan(B, Hq, Hkv, D, jnp.dtype(dtype).itemsize)
+def check_decode(rng, layout, dtype, Hq, Hkv, D, *, S=1024, B=8, hooks=None, **kw):
+    plan = decode_plan(B, Hq, Hkv, D, dtype, hooks)
     q = randn(rng, (B, Hq, D), dtype)
     k, v = randn(rng, (B, Hkv, D), dtype), randn(rng, (B, Hkv, D), dtype)
     kc, vc = caches(rng, layout, B, S, Hkv, D, dtype)
     lengths = jnp.asarray(decode_lengths(rng, B, S, plan))
 
     def fn(*a):
-        return gqa_decode(*a, layout=layout, **kw)
+        return gqa_decode(*a, layout=layout, **kw, **(hooks or {}))
 
     out, kc2, vc2 = on_gpu(fn, q, k, v, kc, vc, lengths)
     cpu_out, _, _ = on_cpu(fn, q, k, v, kc, vc, lengths)
@@ -134,44 +131,45 @@ def check_decode(rng, layout, dtype, Hq, Hkv, D, *, S=1024, B=8, **kw):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
 def test_decode_matches_cpu_and_reference(decode_kernel, rng, layout, dtype, heads):
-    check_decode(rng, layout, dtype, *heads, D=128)
+    check_decode(rng, layout, dtype, *heads, D=128, hooks=decode_kernel)
 
 
 @pytest.mark.parametrize("D", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=dtype_ids)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
 def test_decode_head_dims(decode_kernel, rng, layout, dtype, D):
-    check_decode(rng, layout, dtype, 28, 4, D, S=512, B=6)
+    check_decode(rng, layout, dtype, 28, 4, D, S=512, B=6, hooks=decode_kernel)
 
 
 @pytest.mark.parametrize("heads", [(64, 4), (8, 1)], ids=lambda h: f"Hq{h[0]}-Hkv{h[1]}")
 def test_decode_large_groups(decode_kernel, rng, heads):
     # 16 query heads per KV head take two head chunks of 8; MQA with 8.
-    check_decode(rng, Layout.SEQ_MAJOR, jnp.bfloat16, *heads, D=64, S=256, B=3)
+    check_decode(rng, Layout.SEQ_MAJOR, jnp.bfloat16, *heads, D=64, S=256, B=3, hooks=decode_kernel)
 
 
 @pytest.mark.parametrize("window", [1, 7, 100, 1000])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
 def test_decode_window(decode_kernel, rng, layout, window):
-    check_decode(rng, layout, jnp.bfloat16, 32, 8, 128, window=window)
+    check_decode(rng, layout, jnp.bfloat16, 32, 8, 128, window=window, hooks=decode_kernel)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
 def test_decode_softcap_and_scale(decode_kernel, rng, layout):
-    check_decode(rng, layout, jnp.float32, 8, 2, 128, softcap=2.0, scale=0.5)
-    check_decode(rng, layout, jnp.float16, 8, 2, 128, softcap=30.0, window=16)
+    check_decode(rng, layout, jnp.float32, 8, 2, 128, softcap=2.0, scale=0.5, hooks=decode_kernel)
+    check_decode(rng, layout, jnp.float16, 8, 2, 128, softcap=30.0, window=16, hooks=decode_kernel)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
 def test_decode_many_splits(decode_kernel, rng, layout):
-    # S - 1 live tokens spread over every split the plan has (over 16: kernel 2 merges 16
+    # S - 1 live tokens spread over every split the plan has (over 16: the merge reads 16
     # splits per round, so this takes its remainder path too).
     B, Hq, Hkv, D = 3, 32, 8, 128  # lengths 0, 1 and S - 1 (decode_lengths)
-    splits, multiple, min_chunk = cuda_module().decode_plan(B, Hq, Hkv, D, 2)
+    plan = decode_plan(B, Hq, Hkv, D, jnp.bfloat16, decode_kernel)
+    splits, multiple, min_chunk = plan["num_splits"], plan["chunk_multiple"], plan["min_chunk"]
     if splits <= 16:
         pytest.skip(f"this GPU plans {splits} splits at B={B}")
     S = splits * max(min_chunk, multiple) + 1
-    check_decode(rng, layout, jnp.bfloat16, Hq, Hkv, D, S=S, B=B)
+    check_decode(rng, layout, jnp.bfloat16, Hq, Hkv, D, S=S, B=B, hooks=decode_kernel)
 
 
 def test_decode_large_capacity_few_live(decode_kernel, rng):
@@ -182,7 +180,13 @@ def test_decode_large_capacity_few_live(decode_kernel, rng):
     kc, vc = caches(rng, Layout.SEQ_MAJOR, B, S, Hkv, D, jnp.bfloat16)
     lengths = jnp.asarray([1023], jnp.int32)
     out, kc2, _ = on_gpu(
-        lambda *a: gqa_decode(*a, layout=Layout.SEQ_MAJOR), q, k, v, kc, vc, lengths
+        lambda *a: gqa_decode(*a, layout=Layout.SEQ_MAJOR, **decode_kernel),
+        q,
+        k,
+        v,
+        kc,
+        vc,
+        lengths,
     )
     live = slice(0, 1024)
     ref_out, ref_kc, _ = gqa_decode_ref(
@@ -193,7 +197,7 @@ def test_decode_large_capacity_few_live(decode_kernel, rng):
     np.testing.assert_array_equal(np.asarray(kc2[:, 1024:]), np.asarray(kc[:, 1024:]))
 
 
-@pytest.mark.parametrize("kernel", [2, 3], ids=["kernel2", "kernel3"])
+@pytest.mark.parametrize("kernel", ["simt", "mma"])
 def test_decode_split_counters_stay_zero(rng, kernel):
     # The pool's counters are zero at every launch only if the last CTA of each split group
     # resets its word. Two lengths that merge different numbers of splits, alternated over
@@ -201,43 +205,36 @@ def test_decode_split_counters_stay_zero(rng, kernel):
     # takes the next region and the pool comes round again (kCounterPoolWords / 32 = 8192
     # calls); with them on, each recorded graph replays its own region. Any word left non-zero
     # makes a later launch pick the wrong last CTA: its output would differ from the first.
-    mod = cuda_module()
-    before = mod.decode_kernel(), mod.split_counters()
-    jax.clear_caches()
-    mod.set_decode_kernel(kernel)
-    mod.set_split_counters("pool")
-    try:
-        B, Hq, Hkv, D, S = 1, 8, 1, 128, 4096
-        splits, multiple, min_chunk = mod.decode_plan(B, Hq, Hkv, D, 2)
-        assert splits > 2, f"expected a split plan at B*Hkv=1, got {splits} splits"
-        gpu = jax.devices("cuda")[0]
-        q = jax.device_put(randn(rng, (B, Hq, D), jnp.bfloat16), gpu)
-        k, v = (jax.device_put(randn(rng, (B, Hkv, D), jnp.bfloat16), gpu) for _ in range(2))
-        kc, vc = jax.device_put(caches(rng, Layout.SEQ_MAJOR, B, S, Hkv, D, jnp.bfloat16), gpu)
-        chunk = max(min_chunk, multiple)
-        lens = [jax.device_put(jnp.asarray([n], jnp.int32), gpu) for n in (S - 1, 2 * chunk)]
-        args = (q, k, v, kc, vc)  # the same buffers every call: a recorded graph replays
-        step = jax.jit(lambda *a: gqa_decode(*a, layout=Layout.SEQ_MAJOR)[0])
-        first = [np.asarray(step(*args, n)) for n in lens]
-        for i, n in enumerate(lens):
-            ref, _, _ = gqa_decode_ref(q, k, v, kc, vc, np.asarray(n), layout=1)
-            assert_close(first[i], ref, "bfloat16", f"lengths {int(n[0])}")
-        kept = []
-        for i in range(8400):
-            out = step(*args, lens[i % 2])
-            if i % 700 < 2 or i >= 8396:
-                kept.append((i % 2, out))
-        for which, out in kept:
-            np.testing.assert_array_equal(np.asarray(out), first[which])
-    finally:
-        mod.set_decode_kernel(before[0])
-        mod.set_split_counters(before[1])
-        jax.clear_caches()
+    hooks = dict(_kernel=kernel, _split_counters="pool")
+    B, Hq, Hkv, D, S = 1, 8, 1, 128, 4096
+    plan = decode_plan(B, Hq, Hkv, D, jnp.bfloat16, hooks)
+    splits, multiple, min_chunk = plan["num_splits"], plan["chunk_multiple"], plan["min_chunk"]
+    assert plan["kernel"] == kernel
+    assert splits > 2, f"expected a split plan at B*Hkv=1, got {splits} splits"
+    gpu = jax.devices("cuda")[0]
+    q = jax.device_put(randn(rng, (B, Hq, D), jnp.bfloat16), gpu)
+    k, v = (jax.device_put(randn(rng, (B, Hkv, D), jnp.bfloat16), gpu) for _ in range(2))
+    kc, vc = jax.device_put(caches(rng, Layout.SEQ_MAJOR, B, S, Hkv, D, jnp.bfloat16), gpu)
+    chunk = max(min_chunk, multiple)
+    lens = [jax.device_put(jnp.asarray([n], jnp.int32), gpu) for n in (S - 1, 2 * chunk)]
+    args = (q, k, v, kc, vc)  # the same buffers every call: a recorded graph replays
+    step = jax.jit(lambda *a: gqa_decode(*a, layout=Layout.SEQ_MAJOR, **hooks)[0])
+    first = [np.asarray(step(*args, n)) for n in lens]
+    for i, n in enumerate(lens):
+        ref, _, _ = gqa_decode_ref(q, k, v, kc, vc, np.asarray(n), layout=1)
+        assert_close(first[i], ref, "bfloat16", f"lengths {int(n[0])}")
+    kept = []
+    for i in range(8400):
+        out = step(*args, lens[i % 2])
+        if i % 700 < 2 or i >= 8396:
+            kept.append((i % 2, out))
+    for which, out in kept:
+        np.testing.assert_array_equal(np.asarray(out), first[which])
 
 
 def test_split_counter_regions_are_disjoint():
     # Regions handed out in turn never overlap until the pool comes round, never leave the pool,
-    # and a too-large or pool-off call gets -1 (the workspace path). Mixed sizes make regions
+    # and a too-large call gets -1 (the workspace path). Mixed sizes make regions
     # meet the pool's end: there the tail is skipped (an earlier version restarted at 0 and
     # gave two consecutive launches the same words).
     mod = cuda_module()
@@ -257,29 +254,9 @@ def test_split_counter_regions_are_disjoint():
                 break
             assert b + wb <= a or a + wa <= b, f"call {i}: [{a}, +{wa}) meets [{b}, +{wb})"
     assert mod._take_counter_region(pool // 64 + 1) == -1
-    before = mod.split_counters()
-    try:
-        mod.set_split_counters("workspace")
-        assert mod._take_counter_region(1) == -1
-    finally:
-        mod.set_split_counters(before)
 
 
-def test_split_counters_setting():
-    mod = cuda_module()
-    before = mod.split_counters()
-    try:
-        with pytest.raises(ValueError, match="where: expected 'pool' or 'workspace'"):
-            mod.set_split_counters("global")
-        mod.set_split_counters("workspace")
-        assert mod.split_counters() == "workspace"
-        mod.set_split_counters("pool")
-        assert mod.split_counters() == "pool"
-    finally:
-        mod.set_split_counters(before)
-
-
-def check_prefill(rng, layout, dtype, Hq, Hkv, D, *, T=70, S=200, **kw):
+def check_prefill(rng, layout, dtype, Hq, Hkv, D, *, T=70, S=200, hooks=None, **kw):
     # Sequences: no past + full prompt, past + empty prompt, past up to S - T, one token,
     # ragged random.
     past = np.array([0, 5, S - T, 1, int(rng.integers(0, S - T + 1))], np.int32)
@@ -290,7 +267,9 @@ def check_prefill(rng, layout, dtype, Hq, Hkv, D, *, T=70, S=200, **kw):
     kc, vc = caches(rng, layout, B, S, Hkv, D, dtype)
 
     def fn(q, k, v, kc, vc, past, new):
-        return gqa_prefill(q, k, v, kc, vc, past, new_lengths=new, layout=layout, **kw)
+        return gqa_prefill(
+            q, k, v, kc, vc, past, new_lengths=new, layout=layout, **kw, **(hooks or {})
+        )
 
     args = (q, k, v, kc, vc, jnp.asarray(past), jnp.asarray(new))
     out, kc2, vc2 = on_gpu(fn, *args)
@@ -313,31 +292,37 @@ def check_prefill(rng, layout, dtype, Hq, Hkv, D, *, T=70, S=200, **kw):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
 def test_prefill_matches_cpu_and_reference(prefill_kernel, rng, layout, dtype, heads):
-    check_prefill(rng, layout, dtype, *heads, D=128)
+    check_prefill(rng, layout, dtype, *heads, D=128, hooks=prefill_kernel)
 
 
 @pytest.mark.parametrize("D", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=dtype_ids)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
 def test_prefill_head_dims(prefill_kernel, rng, layout, dtype, D):
-    check_prefill(rng, layout, dtype, 8, 2, D, T=33, S=120)
+    check_prefill(rng, layout, dtype, 8, 2, D, T=33, S=120, hooks=prefill_kernel)
 
 
 @pytest.mark.parametrize("window", [1, 7, 100])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
 def test_prefill_window(prefill_kernel, rng, layout, window):
-    check_prefill(rng, layout, jnp.bfloat16, 32, 8, 128, T=130, S=400, window=window)
+    check_prefill(
+        rng, layout, jnp.bfloat16, 32, 8, 128, T=130, S=400, window=window, hooks=prefill_kernel
+    )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_ids)
 def test_prefill_softcap_and_scale(prefill_kernel, rng, layout):
-    check_prefill(rng, layout, jnp.bfloat16, 8, 2, 128, softcap=2.0, scale=0.5)
-    check_prefill(rng, layout, jnp.float32, 8, 2, 64, softcap=30.0, window=16)
+    check_prefill(
+        rng, layout, jnp.bfloat16, 8, 2, 128, softcap=2.0, scale=0.5, hooks=prefill_kernel
+    )
+    check_prefill(rng, layout, jnp.float32, 8, 2, 64, softcap=30.0, window=16, hooks=prefill_kernel)
 
 
 def test_prefill_long_past(prefill_kernel, rng):
     # Many key blocks from the cache, then the diagonal blocks from k/v.
-    check_prefill(rng, Layout.HEAD_MAJOR, jnp.float16, 32, 8, 128, T=150, S=1400)
+    check_prefill(
+        rng, Layout.HEAD_MAJOR, jnp.float16, 32, 8, 128, T=150, S=1400, hooks=prefill_kernel
+    )
 
 
 @pytest.mark.parametrize("window", [None, 77], ids=lambda w: f"window{w}")
@@ -345,7 +330,9 @@ def test_prefill_long_past(prefill_kernel, rng):
 def test_prefill_many_query_blocks(prefill_kernel, rng, layout, window):
     # Three 128-row query blocks (both of the wgmma kernel's warpgroups live, then one idle), a
     # window that ends inside a warpgroup, keys from the cache and from k/v in one block.
-    check_prefill(rng, layout, jnp.bfloat16, 16, 2, 64, T=300, S=900, window=window)
+    check_prefill(
+        rng, layout, jnp.bfloat16, 16, 2, 64, T=300, S=900, window=window, hooks=prefill_kernel
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
@@ -376,7 +363,8 @@ def test_decode_status_out_of_range(decode_kernel, rng):
     kc, vc = caches(rng, layout, B, S, Hkv, D, jnp.bfloat16)
     lengths = jnp.asarray([-1, S, 40], jnp.int32)  # traced under jit: no Python check
     out, kc2, vc2, status = on_gpu(
-        lambda *a: gqa_decode(*a, layout=layout, return_status=True), q, k, v, kc, vc, lengths
+        lambda *a: gqa_decode(*a, layout=layout, return_status=True, **decode_kernel),
+        *(q, k, v, kc, vc, lengths),
     )
     assert np.asarray(status).tolist() == [1, 1, 0]
     assert np.isnan(np.asarray(out[:2], np.float32)).all()
@@ -396,7 +384,7 @@ def test_prefill_status_out_of_range(prefill_kernel, rng):
     new = jnp.asarray([T + 1, 3, 5], jnp.int32)  # new_lengths > T; S - 2 + 3 > S; ok
     out, kc2, vc2, status = on_gpu(
         lambda q, k, v, kc, vc, p, n: gqa_prefill(
-            q, k, v, kc, vc, p, new_lengths=n, layout=layout, return_status=True
+            q, k, v, kc, vc, p, new_lengths=n, layout=layout, return_status=True, **prefill_kernel
         ),
         q,
         k,
@@ -440,51 +428,72 @@ def test_grow_status_out_of_range(rng):
     )
 
 
-def test_decode_kernel_selection():
+def test_decode_kernel_is_a_function_of_dtype_and_head_dim():
     mod = cuda_module()
-    before = mod.decode_kernel()
-    assert before in (1, 2, 3)
-    with pytest.raises(ValueError, match="expected 1, 2 or 3"):
-        mod.set_decode_kernel(4)
-    assert mod.decode_kernel() == before
-    with pytest.raises(ValueError, match="'auto', 'narrow' or 'wide'"):
-        mod.set_decode_v2_ctas("medium")
-    assert mod.decode_v2_ctas() == "auto"
-    try:
-        mod.set_decode_kernel(2)
-        splits, multiple, min_chunk = mod.decode_plan(1, 32, 8, 128, 2)
-        assert splits > 1 and min_chunk % multiple == 0 and multiple % 8 == 0
-        # auto: B * Hkv = 8 CTAs, under the SM count: wide CTAs, whose rows per tile are 4x
-        # (16 warps) the narrow ones'; B * Hkv = 1024: narrow.
-        mod.set_decode_v2_ctas("narrow")
-        narrow_small, narrow_large = (
-            mod.decode_plan(1, 32, 8, 128, 2),
-            mod.decode_plan(128, 32, 8, 128, 2),
+
+    def plan(B, D, dtype, kernel="auto", shape="auto", Hq=32, Hkv=8):
+        return decode_plan(B, Hq, Hkv, D, dtype, dict(_kernel=kernel, _cta_shape=shape))
+
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    # auto: mma for bf16/f16 at head dims 64-128, simt for f32 and D=256; simt when forced.
+    for D in HEAD_DIMS:
+        assert plan(1, D, bf16)["kernel"] == ("mma" if D <= 128 else "simt"), D
+        assert plan(1, D, jnp.float16)["kernel"] == ("mma" if D <= 128 else "simt"), D
+        assert plan(1, D, f32)["kernel"] == "simt", D
+        assert plan(1, D, bf16, kernel="simt")["kernel"] == "simt", D
+    assert plan(1, 128, bf16, kernel="mma") == plan(1, 128, bf16)
+    with pytest.raises(ValueError, match="kernel: mma takes bf16/f16 at head dims 64, 80, 96"):
+        plan(1, 128, f32, kernel="mma")
+    with pytest.raises(ValueError, match="kernel: mma takes .* got itemsize 2 and head_dim 256"):
+        plan(1, 256, bf16, kernel="mma")
+    with pytest.raises(ValueError, match=r"kernel: expected 0 \(auto\), 1 \(simt\) or 2"):
+        mod.decode_plan(1, 32, 8, 128, 2, 3, 0)
+    with pytest.raises(ValueError, match=r"cta_shape: expected 0 \(auto\)"):
+        mod.decode_plan(1, 32, 8, 128, 2, 0, 3)
+    with pytest.raises(ValueError, match="head_dim must be one of 64, 80, 96, 128, 256, got 48"):
+        mod.decode_plan(1, 32, 8, 48, 2, 0, 0)
+    # simt: auto takes wide CTAs at B * Hkv = 8 CTAs, under the SM count (rows per tile 4x the
+    # narrow ones': 16 warps, fewer splits), narrow at B * Hkv = 1024.
+    simt = plan(1, 128, bf16, kernel="simt")
+    assert simt["num_splits"] > 1 and simt["chunk_multiple"] % 8 == 0
+    assert simt["min_chunk"] % simt["chunk_multiple"] == 0
+    narrow_small = plan(1, 128, bf16, kernel="simt", shape="narrow")
+    narrow_large = plan(128, 128, bf16, kernel="simt", shape="narrow")
+    wide_small = plan(1, 128, bf16, kernel="simt", shape="wide")
+    assert wide_small["chunk_multiple"] == 4 * narrow_small["chunk_multiple"]
+    assert wide_small["num_splits"] < narrow_small["num_splits"]
+    assert simt == wide_small
+    assert plan(128, 128, bf16, kernel="simt") == narrow_large
+    # mma: 16-row warp tiles, 4 warps (narrow) and 8 (wide).
+    assert plan(128, 128, bf16)["chunk_multiple"] == 64
+    assert plan(1, 128, bf16, shape="narrow")["chunk_multiple"] == 64
+    assert plan(1, 128, bf16)["chunk_multiple"] == 128
+
+
+@pytest.mark.parametrize("kernel", DECODE_KERNELS[:2])
+@pytest.mark.parametrize("shape", CTA_SHAPES)
+@pytest.mark.parametrize(
+    "B, Hq, Hkv, D", [(1, 32, 8, 128), (4, 28, 4, 96), (64, 32, 8, 128), (1, 64, 4, 64)]
+)
+def test_workspace_is_sized_for_the_kernel_the_call_runs(kernel, shape, B, Hq, Hkv, D):
+    # Partials of the call's own split plan and one counter per (b, KV head, head chunk): not
+    # the larger of two kernels' needs, and never a function of the capacity S.
+    hooks = dict(_kernel=kernel, _cta_shape=shape)
+    plan = decode_plan(B, Hq, Hkv, D, jnp.bfloat16, hooks)
+    splits, floats = plan["num_splits"], plan["workspace_floats"]
+    chunks = -(-(Hq // Hkv) // 8)
+    assert floats == (0 if splits <= 1 else B * Hq * splits * (D + 2) + B * Hkv * chunks)
+    # ... and it is what gqa_decode gives the handler, whatever the capacity.
+    q = jnp.zeros((B, Hq, D), jnp.bfloat16)
+    k = jnp.zeros((B, Hkv, D), jnp.bfloat16)
+    for S in (256, 4096):
+        kc = jnp.zeros(Layout.SEQ_MAJOR.cache_shape(B, S, Hkv, D), jnp.bfloat16)
+        text = (
+            jax.jit(lambda *a: gqa_decode(*a, layout=Layout.SEQ_MAJOR, **hooks))
+            .lower(q, k, k, kc, kc, jnp.zeros((B,), jnp.int32))
+            .as_text()
         )
-        mod.set_decode_v2_ctas("wide")
-        wide_small = mod.decode_plan(1, 32, 8, 128, 2)
-        assert wide_small[1] == 4 * narrow_small[1] and wide_small[0] < narrow_small[0]
-        mod.set_decode_v2_ctas("auto")
-        assert mod.decode_plan(1, 32, 8, 128, 2) == wide_small
-        assert mod.decode_plan(128, 32, 8, 128, 2) == narrow_large
-        # Kernel 3: 16-row warp tiles (4 and 8 warps); f32 and D=256 take kernel 2's plan.
-        k2_f32, k2_d256 = mod.decode_plan(1, 32, 8, 128, 4), mod.decode_plan(1, 32, 8, 256, 2)
-        mod.set_decode_kernel(3)
-        assert mod.decode_plan(128, 32, 8, 128, 2)[1] == 64
-        assert mod.decode_plan(1, 32, 8, 128, 2)[1] == 128
-        assert mod.decode_plan(1, 32, 8, 128, 4) == k2_f32
-        assert mod.decode_plan(1, 32, 8, 256, 2) == k2_d256
-    finally:
-        mod.set_decode_kernel(before)
-        mod.set_decode_v2_ctas("auto")
-
-
-def test_workspace_independent_of_capacity():
-    mod = cuda_module()
-    sizes = {mod.workspace_floats("decode", 1, 1, 32, 128, s) for s in (1024, 4096, 131072)}
-    assert len(sizes) == 1
-    assert mod.workspace_floats("prefill", 1, 4096, 32, 128, 4096) == 0
-    assert mod.num_splits(1, 32, 8) > 1  # B=1 spreads over the SMs
+        assert f"tensor<{floats}xf32>" in text
 
 
 def test_tolerance_table_covers_dtypes():
@@ -495,12 +504,12 @@ def test_tolerance_table_covers_dtypes():
 
 _COUNTER_SCRIPT = textwrap.dedent(
     """
-    import json
+    import json, sys
     import jax, jax.numpy as jnp, numpy as np
     from jax_kv import Layout, gqa_decode, _ffi
     _ffi.register()
     cuda = _ffi.cuda_module()
-    kernel = cuda.decode_kernel()  # from JAX_KV_DECODE_KERNEL, applied by register()
+    kernel = sys.argv[1]  # gqa_decode's _kernel hook
     B, Hq, Hkv, D, S = 2, 8, 2, 64, 256
     rng = np.random.default_rng(0)
     r = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32), jnp.bfloat16)
@@ -508,7 +517,7 @@ _COUNTER_SCRIPT = textwrap.dedent(
     kc, vc = jnp.copy(r(B, S, Hkv, D)), jnp.copy(r(B, S, Hkv, D))
     lengths = jnp.asarray([3, 100], jnp.int32)
     step = jax.jit(lambda q, k, v, kc, vc, n: gqa_decode(q, k, v, kc, vc, n,
-                   layout=Layout.SEQ_MAJOR), donate_argnums=(3, 4))
+                   layout=Layout.SEQ_MAJOR, _kernel=kernel), donate_argnums=(3, 4))
     for _ in range(5):  # warm-up: compile, record
         out, kc, vc = step(q, k, v, kc, vc, lengths)
         out.block_until_ready()
@@ -524,7 +533,7 @@ _COUNTER_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("kernel", [1, 2], ids=["kernel1", "kernel2"])
+@pytest.mark.parametrize("kernel", ["simt", "mma"])
 @pytest.mark.parametrize("command_buffers", [True, False], ids=["graphs_on", "graphs_off"])
 def test_host_calls_show_graph_replay(command_buffers, kernel):
     flags = (
@@ -532,14 +541,9 @@ def test_host_calls_show_graph_replay(command_buffers, kernel):
         if command_buffers
         else "--xla_gpu_enable_command_buffer="
     )
-    env = dict(
-        os.environ,
-        XLA_FLAGS=flags,
-        XLA_PYTHON_CLIENT_PREALLOCATE="false",
-        JAX_KV_DECODE_KERNEL=str(kernel),
-    )
+    env = dict(os.environ, XLA_FLAGS=flags, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     res = subprocess.run(
-        [sys.executable, "-c", _COUNTER_SCRIPT],
+        [sys.executable, "-c", _COUNTER_SCRIPT, kernel],
         env=env,
         capture_output=True,
         text=True,

@@ -1,40 +1,29 @@
-// GQA decode, kernel 2 (the kernel and its launch templates; one .cu per dtype instantiates
-// them, cuda/gqa_decode_v2*.cu, so no nvcc job compiles all 120 instantiations): split-K flash
-// decoding fed by per-warp cp.async pipelines, with the split combine done by the last CTA of each
-// (b, KV head) instead of a second kernel.
+// GQA decode, simt (CUDA-core math): the kernel and its launch templates; one .cu per dtype
+// instantiates them (cuda/gqa_decode_simt{,_bf16,_f16}.cu), so no nvcc job compiles all 120
+// kernels. Split-K flash decoding fed by per-warp cp.async pipelines, the splits merged by the
+// last CTA of each (b, KV head, head chunk). The contract is cuda/gqa_decode.cuh's; this kernel
+// runs every call the mma kernel does not take (f32, head dim 256) and any call forced onto it.
 //
-// Same contract as kernel 1 (cuda/gqa_decode.cu): GqaParams, status and NaN rows for bad
-// lengths, the cache touched only inside [0, S), the new K/V appended at lengths[b] (the CTA
-// that owns position L reads it from k/v, never from the cache, so the store races with
-// nothing), split count from the SM count, chunk from lengths on the device, a grid that never
-// depends on S, all query heads of one KV head (up to 8, more through head chunks) in one CTA,
-// f32 scores and accumulators. Selected at run time (set_decode_kernel(2), JAX_KV_DECODE_KERNEL).
-//
-// What changes, and what each change is expected to move (bench/NOTES.md, "v2 (unmeasured)"),
-// bf16, Hq=32, Hkv=8, D=128, H200; kernel 1 measured 183.6 us at (1, 131072) (2.9 TB/s),
-// 346 us at (32, 8192), 16.3 us at (1, 4096); cuDNN 132.5 / 251 / 11.9 us:
+// bench/NOTES.md measures it as "kernel 2" (against the split-K kernel with a combine kernel it
+// replaced, since deleted); bf16, Hq=32, Hkv=8, D=128, H200:
 // 1. Bytes in flight. Each warp streams its own 8-row K+V tiles (4 KB) through a 3-stage
 //    cp.async ring in shared memory (LDGSTS.E.BYPASS.128): two tiles (8 KB) are in flight per
-//    warp while it computes the third, 4 CTAs x 4 warps per SM -> ~128 KB in flight per SM
-//    (kernel 1: ~32 KB, with nothing issued ahead of the math). Little's law wants ~26 KB at
-//    4.3 TB/s and ~0.8 us: this is the change meant to move the large rows from 2.9 toward
-//    ~4 TB/s: (1, 131072) 183.6 -> ~140 us, (32, 8192) 346 -> ~270 us.
-// 2. Fewer shuffles per score. 4 lanes per K row (4 x 16-byte vectors each for D=128 bf16):
-//    2 shuffle+add rounds per score instead of 4. q lives in shared memory as pre-scaled f32
-//    (a broadcast LDS.128 per 4 FMAs) so 4 lanes per row costs no q registers. P.V reads V
-//    with 16 lanes per row (8 columns each): no shuffles at all in P.V, acc is 8 floats per
-//    query head per lane. The running max is reduced over the warp's 8 rows once per tile and
-//    acc is rescaled only when it grew (a warp-uniform branch). Estimated ~55 issued
-//    instructions per K/V row at group 4 against kernel 1's ~80: the loop stops competing
-//    with the loads for issue slots.
+//    warp while it computes the third, 4 CTAs x 4 warps per SM -> ~128 KB in flight per SM.
+//    Little's law wants ~26 KB at 4.3 TB/s and ~0.8 us.
+// 2. Few shuffles per score. 4 lanes per K row (4 x 16-byte vectors each for D=128 bf16):
+//    2 shuffle+add rounds per score. q lives in shared memory as pre-scaled f32 (a broadcast
+//    LDS.128 per 4 FMAs) so 4 lanes per row costs no q registers. P.V reads V with 16 lanes per
+//    row (8 columns each): no shuffles at all in P.V, acc is 8 floats per query head per lane.
+//    The running max is reduced over the warp's 8 rows once per tile and acc is rescaled only
+//    when it grew (a warp-uniform branch). ~76 issued instructions per K/V row at group 4
+//    (bench/sass_loop.py); the mma kernel's tensor-core loop issues ~20.
 // 3. One launch. The last CTA of each (b, KV head, head chunk) to finish (an atomic counter)
-//    merges the splits; the combine kernel and its grid-wide drain go away. The counters must
-//    be zero at launch. The workspace cannot keep them so between calls (an XLA result buffer:
-//    buffer assignment reuses that memory for other ops), so they live in a per-device pool in
-//    device memory whose words the last CTA resets (split_decode::TakeCounterRegion); calls too
-//    large for it use workspace words zeroed by a one-CTA kernel node first. Expected at
-//    (1, 4096): 16.3 -> ~12 us (one kernel node + one memset node instead of two kernels, and
-//    the pipelined loop); the small rows stay latency-bound.
+//    merges the splits: no combine kernel, no grid-wide drain. The counters must be zero at
+//    launch. The workspace cannot keep them so between calls (an XLA result buffer: buffer
+//    assignment reuses that memory for other ops), so they live in a per-device pool in device
+//    memory whose words the last CTA resets (split_decode::TakeCounterRegion); calls too large
+//    for it (or that ask for it: SplitCounters::kWorkspace) use workspace words zeroed by a
+//    one-CTA kernel node first.
 // Registers: capped at 128 per thread (__launch_bounds__(128, 4)); shared memory ~53 KB per
 // CTA at bf16 D=128 group 8, so 4 CTAs fit an SM's 228 KB.
 #pragma once
@@ -88,7 +77,7 @@ constexpr int RowLanes(int units, int row_bytes) {
 // row r sits at u ^ ((r * kR) & 7) (XOR swizzle) so the kR-lane groups of one q.k load hit 8
 // distinct 16-byte bank groups; otherwise the stride is padded to make units/kR odd.
 template <typename T, int HEAD_DIM, int WARPS>
-struct ShapeV2 {
+struct SimtShape {
   static constexpr int kWarps = WARPS;
   static constexpr int kThreads = 32 * WARPS;
   static constexpr int kVec = VecOf<T>::kElems;
@@ -142,7 +131,7 @@ struct ShapeV2 {
 // hidden); such grids now take the wide shape. Wide: kWideMinSplitBytes of K+V (whole tiles).
 template <typename T, int HEAD_DIM, int WARPS>
 constexpr int MinChunkRows() {
-  using Sh = ShapeV2<T, HEAD_DIM, WARPS>;
+  using Sh = SimtShape<T, HEAD_DIM, WARPS>;
   if (WARPS == kNarrowWarps) return 8 * Sh::kCtaRows;
   const int tiles = (kWideMinSplitBytes / (2 * Sh::kRowBytes) + Sh::kCtaRows - 1) / Sh::kCtaRows;
   return (tiles > 1 ? tiles : 1) * Sh::kCtaRows;
@@ -150,7 +139,7 @@ constexpr int MinChunkRows() {
 
 template <typename T, int HEAD_DIM, int GROUP, int WARPS>
 __host__ __device__ constexpr int SmemBytes() {
-  using Sh = ShapeV2<T, HEAD_DIM, WARPS>;
+  using Sh = SimtShape<T, HEAD_DIM, WARPS>;
   // stages | q [GROUP][HEAD_DIM] f32 | p [kWarps][kRows][GROUP] f32
   return Sh::kStageAreaBytes + GROUP * HEAD_DIM * 4 + WARPS * Sh::kRows * GROUP * 4;
 }
@@ -174,9 +163,9 @@ __device__ __forceinline__ void LoadPiece(const void* smem, float (&f)[BYTES / s
 
 template <typename T, int HEAD_DIM, int GROUP, int WARPS>
 __global__ void __launch_bounds__(32 * WARPS, MinBlocks<GROUP, WARPS>())
-    GqaDecodeV2Kernel(const GqaParams<T> p, int num_splits, int head_chunks, int min_chunk,
-                      int counter_region) {
-  using Sh = ShapeV2<T, HEAD_DIM, WARPS>;
+    GqaDecodeSimtKernel(const GqaParams<T> p, int num_splits, int head_chunks, int min_chunk,
+                        int counter_region) {
+  using Sh = SimtShape<T, HEAD_DIM, WARPS>;
   constexpr int kWarps = WARPS;
   constexpr int kThreads = Sh::kThreads;
   constexpr int V = Sh::kVec;
@@ -200,8 +189,8 @@ __global__ void __launch_bounds__(32 * WARPS, MinBlocks<GROUP, WARPS>())
   const T* k_new = p.k_new + cta.new_off;
   const T* v_new = p.v_new + cta.new_off;
 
-  // Scores in log2 units, as kernel 1: scale (and log2 e) folded into q, or with softcap q
-  // carries scale / softcap and the score is softcap * log2(e) * tanh(q.k).
+  // Scores in log2 units: scale (and log2 e) folded into q, or with softcap q carries
+  // scale / softcap and the score is softcap * log2(e) * tanh(q.k).
   const bool use_softcap = p.softcap > 0.0f;
   const float q_mul = use_softcap ? p.scale / p.softcap : p.scale * kLog2e;
   const float cap_log2 = p.softcap * kLog2e;
@@ -455,26 +444,19 @@ inline int GroupBucket(int group) { return group > kMaxGroup ? kMaxGroup : Pow2C
 // Split count and chunk granularity of one instantiation, without the workspace clamp.
 template <typename T, int HEAD_DIM, int GROUP, int WARPS>
 GqaDecodePlan PlanFor(int64_t ctas) {
-  using Sh = ShapeV2<T, HEAD_DIM, WARPS>;
+  using Sh = SimtShape<T, HEAD_DIM, WARPS>;
   const int ctas_per_sm =
       CtasPerSm(SmemBytes<T, HEAD_DIM, GROUP, WARPS>(), MinBlocks<GROUP, WARPS>());
   return GqaDecodePlan{SplitsForCtas(ctas, ctas_per_sm), Sh::kCtaRows,
                        MinChunkRows<T, HEAD_DIM, WARPS>()};
 }
 
-template <typename T, int HEAD_DIM, int GROUP, int WARPS>
-cudaError_t LaunchInstance(const GqaParams<T>& p, int chunks, cudaStream_t stream) {
-  const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * chunks;
-  return LaunchSplitDecode<GqaDecodeV2Kernel<T, HEAD_DIM, GROUP, WARPS>>(
-      p, chunks, 32 * WARPS, SmemBytes<T, HEAD_DIM, GROUP, WARPS>(),
-      PlanFor<T, HEAD_DIM, GROUP, WARPS>(ctas), stream);
-}
-
 // Calls fn.template operator()<GROUP, WARPS>() for the group bucket and CTA shape of a grid of
-// `ctas` (b, KV head, head chunk) CTAs: the one place the plan and the launch both choose.
+// `ctas` (b, KV head, head chunk) CTAs: the one place the plan and the launch both choose. The
+// group bucket is the group rounded up to a power of two, 8 for any larger group (head chunks).
 template <typename Fn>
-auto WithShape(int group, int64_t ctas, const Fn& fn) {
-  const bool wide = UseWide(ctas);
+auto WithShape(int group, int64_t ctas, DecodeCtas shape, const Fn& fn) {
+  const bool wide = UseWide(ctas, shape);
   switch (GroupBucket(group)) {
     case 1:
       return wide ? fn.template operator()<1, WideWarps<1>()>()
@@ -485,7 +467,7 @@ auto WithShape(int group, int64_t ctas, const Fn& fn) {
     case 4:
       return wide ? fn.template operator()<4, WideWarps<4>()>()
                   : fn.template operator()<4, kNarrowWarps>();
-    default:
+    default:  // 8: GroupBucket's largest
       return wide ? fn.template operator()<8, WideWarps<8>()>()
                   : fn.template operator()<8, kNarrowWarps>();
   }
@@ -495,10 +477,14 @@ template <typename T, int HEAD_DIM>
 struct Launch {
   const GqaParams<T>& p;
   int chunks;
+  SplitCounters counters;
   cudaStream_t stream;
   template <int GROUP, int WARPS>
   cudaError_t operator()() const {
-    return LaunchInstance<T, HEAD_DIM, GROUP, WARPS>(p, chunks, stream);
+    const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * chunks;
+    return LaunchSplitDecode<GqaDecodeSimtKernel<T, HEAD_DIM, GROUP, WARPS>>(
+        p, chunks, 32 * WARPS, SmemBytes<T, HEAD_DIM, GROUP, WARPS>(),
+        PlanFor<T, HEAD_DIM, GROUP, WARPS>(ctas), counters, stream);
   }
 };
 
@@ -511,43 +497,28 @@ struct Plan {
   }
 };
 
-template <typename T, int HEAD_DIM>
-cudaError_t LaunchForHeadDim(const GqaParams<T>& p, cudaStream_t stream) {
-  const int group = p.num_q_heads / p.num_kv_heads;
-  const int chunks = HeadChunks(group);
-  const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * chunks;
-  return WithShape(group, ctas, Launch<T, HEAD_DIM>{p, chunks, stream});
-}
-
-template <typename T, int HEAD_DIM>
-GqaDecodePlan PlanForHeadDim(int group, int64_t ctas) {
-  return WithShape(group, ctas, Plan<T, HEAD_DIM>{ctas});
-}
-
-template <typename T>
-GqaDecodePlan PlanForType(int batch, int num_q_heads, int num_kv_heads, int head_dim) {
-  const int group = num_q_heads / std::max(1, num_kv_heads);
-  const int64_t ctas = static_cast<int64_t>(batch) * num_kv_heads * HeadChunks(group);
-  switch (head_dim) {
-    case 64:
-      return PlanForHeadDim<T, 64>(group, ctas);
-    case 80:
-      return PlanForHeadDim<T, 80>(group, ctas);
-    case 96:
-      return PlanForHeadDim<T, 96>(group, ctas);
-    case 128:
-      return PlanForHeadDim<T, 128>(group, ctas);
-    default:
-      return PlanForHeadDim<T, 256>(group, ctas);
-  }
-}
-
 }  // namespace
 
-template <typename T>
-cudaError_t LaunchGqaDecodeV2(const GqaParams<T>& p, cudaStream_t stream) {
-  JKV_DISPATCH_HEAD_DIM(p.head_dim, HEAD_DIM, return LaunchForHeadDim<T, HEAD_DIM>(p, stream););
-  return cudaSuccess;
+template <typename T, int HEAD_DIM>
+cudaError_t LaunchGqaDecodeSimt(const GqaParams<T>& p, const DecodeOptions& o,
+                                cudaStream_t stream) {
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int chunks = DecodeHeadChunks(group);
+  const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * chunks;
+  return WithShape(group, ctas, o.ctas, Launch<T, HEAD_DIM>{p, chunks, o.counters, stream});
 }
+
+template <typename T, int HEAD_DIM>
+GqaDecodePlan GqaDecodeSimtPlan(int batch, int num_q_heads, int num_kv_heads, DecodeCtas ctas) {
+  const int group = num_q_heads / std::max(1, num_kv_heads);
+  const int64_t n = static_cast<int64_t>(batch) * num_kv_heads * DecodeHeadChunks(group);
+  return WithShape(group, n, ctas, Plan<T, HEAD_DIM>{n});
+}
+
+// The explicit instantiations of one element type, for every supported head dim.
+#define JKV_DECODE_SIMT_INSTANTIATE(D, T)                                                   \
+  template cudaError_t LaunchGqaDecodeSimt<T, D>(const GqaParams<T>&, const DecodeOptions&, \
+                                                 cudaStream_t);                             \
+  template GqaDecodePlan GqaDecodeSimtPlan<T, D>(int, int, int, DecodeCtas);
 
 }  // namespace jax_kv

@@ -1,14 +1,12 @@
-// GQA decode, kernel 2: its host state (the CTA-shape setting, the split-counter pool's
-// allocator), the plan and workspace queries, and the f32 instantiation. The kernel is in
-// cuda/gqa_decode_v2.cuh; bf16 and f16 are instantiated in gqa_decode_v2_{bf16,f16}.cu.
+// GQA decode, simt: its f32 instantiations (cuda/gqa_decode_simt.cuh; bf16 and f16 are in
+// gqa_decode_simt_{bf16,f16}.cu) and the host side both decode kernels share: the split-counter
+// pool's allocator and the kernel that zeroes workspace counters.
 #include <atomic>
 
-#include "cuda/gqa_decode_v2.cuh"
+#include "cuda/gqa_decode_simt.cuh"
+#include "cuda/head_dims.h"
 
 namespace jax_kv {
-
-std::atomic<int> g_decode_v2_ctas{kDecodeV2Auto};
-std::atomic<bool> g_split_counter_pool{true};
 
 namespace {
 
@@ -34,10 +32,7 @@ std::atomic<uint64_t> g_pool_cursor{0};  // one cursor for every module and devi
 }  // namespace
 
 int split_decode::TakeCounterRegion(int n) {
-  if (!g_split_counter_pool.load(std::memory_order_relaxed) || n <= 0 ||
-      n > kCounterRegionMaxWords) {
-    return -1;
-  }
+  if (n <= 0 || n > kCounterRegionMaxWords) return -1;
   const uint64_t words = (static_cast<uint64_t>(n) + 31) / 32 * 32;  // 128-byte regions
   constexpr uint64_t kPool = kCounterPoolWords;
   uint64_t cursor = g_pool_cursor.load(std::memory_order_relaxed);
@@ -53,22 +48,6 @@ int split_decode::TakeCounterRegion(int n) {
   }
 }
 
-GqaDecodePlan GqaDecodeV2Plan(int batch, int num_q_heads, int num_kv_heads, int head_dim,
-                              int itemsize) {
-  return itemsize == 4 ? PlanForType<float>(batch, num_q_heads, num_kv_heads, head_dim)
-                       : PlanForType<bf16_t>(batch, num_q_heads, num_kv_heads, head_dim);
-}
-
-int64_t GqaDecodeV2WorkspaceFloats(int batch, int num_q_heads, int head_dim) {
-  // Hkv = 1 and 4 CTAs per SM give the most splits of any Hkv and instantiation.
-  const int64_t ctas = static_cast<int64_t>(batch) * HeadChunks(num_q_heads);
-  const int splits = SplitsForCtas(ctas, kMaxCtasPerSm);
-  if (splits <= 1) return 0;
-  // Partials as kernel 1, then one counter per (b, KV head, head chunk) <= B * Hq.
-  return static_cast<int64_t>(batch) * num_q_heads * splits * (head_dim + 2) +
-         static_cast<int64_t>(batch) * num_q_heads;
-}
-
-template cudaError_t LaunchGqaDecodeV2<float>(const GqaParams<float>&, cudaStream_t);
+JKV_FOR_EACH_HEAD_DIM(JKV_DECODE_SIMT_INSTANTIATE, float)
 
 }  // namespace jax_kv
