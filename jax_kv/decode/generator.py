@@ -492,14 +492,18 @@ class Generator:
         # host's work overlaps the device's. Sampled tokens feed the next call on the device;
         # only streaming, stop and status checks read them, one call late (a row that stopped
         # costs at most one extra call, whose tokens are dropped).
-        pending = None
+        pending, pending_taken = None, False
 
         def drain() -> float:
-            nonlocal pending
+            # The drained array stays referenced until a call without growth would release
+            # it: every call then sees the same buffer lifetimes, so XLA's allocator places the
+            # step's temporaries where the recorded CUDA graph has them (freeing it early here
+            # moved them once in a while, and the graph was re-recorded after a growth).
+            nonlocal pending_taken
             t0 = time.perf_counter()
-            if pending is not None:
+            if pending is not None and not pending_taken:
                 self._take(pending, out, reasons, stop, on_tokens, budget, max_new)
-                pending = None
+                pending_taken = True
             return time.perf_counter() - t0
 
         t_decode, compile0 = time.perf_counter(), stats.compile_seconds
@@ -534,7 +538,8 @@ class Generator:
             stats.decode_calls += 1
             stats.decode_tokens += min(n, remaining) * B
             previous, pending = pending, new
-            if previous is not None:
+            previous_taken, pending_taken = pending_taken, False
+            if previous is not None and not previous_taken:
                 t0 = time.perf_counter()
                 self._take(previous, out, reasons, stop, on_tokens, budget, max_new)
                 waited += time.perf_counter() - t0
