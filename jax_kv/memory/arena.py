@@ -79,6 +79,23 @@ class ArenaStats:
     views_released: int
     reservation_ladder: tuple[int, ...]  # sizes tried, in order; the last one succeeded
 
+    @property
+    def faults(self) -> dict[str, int]:
+        """The counters that must stay zero: anything else is an accounting bug."""
+        return {name: getattr(self, name) for name in FAULT_COUNTERS}
+
+
+FAULT_COUNTERS = ("ref_underflows", "unaccounted_committed_bytes", "unbacked_bytes")
+
+# Every arena constructed in this process and not yet garbage-collected: the test suite checks
+# the fault counters of each after every test.
+_LIVE_ARENAS: weakref.WeakSet = weakref.WeakSet()
+
+
+def live_arenas() -> list[VmmArena]:
+    """The VmmArenas of this process that are still referenced (closed ones included)."""
+    return list(_LIVE_ARENAS)
+
 
 @dataclasses.dataclass(frozen=True)
 class CommitReport:
@@ -283,6 +300,7 @@ class VmmArena:
         self._commit_seconds = 0.0
         self._create_seconds = 0.0
         self._zero_map_seconds = 0.0
+        _LIVE_ARENAS.add(self)
         reserve = config.reserve_bytes if reserve_bytes is None else reserve_bytes
         ladder = (
             [_round_up(int(reserve), self.granule)]
@@ -359,6 +377,12 @@ class VmmArena:
                 )
             self._pending.clear()
             errors = self._finalizer() or []
+            # The teardown unmapped every region: they hold nothing now (a later free() is a
+            # no-op) and the accounting says so.
+            for region in self._regions.values():
+                region.freed = True
+            self._regions.clear()
+            self._starts.clear()
         if errors:
             raise ArenaError("VmmArena teardown: " + "; ".join(errors))
 

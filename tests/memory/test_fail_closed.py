@@ -11,8 +11,7 @@ G = 64 << 10  # the host granule of the shared `arena` fixture (conftest.py)
 
 
 def zero_faults(arena):
-    s = arena.stats()
-    return (s.ref_underflows, s.unaccounted_committed_bytes, s.unbacked_bytes) == (0, 0, 0)
+    return not any(arena.stats().faults.values())
 
 
 def held_handles(arena):
@@ -102,3 +101,21 @@ def test_counters_zero_through_many_cycles(arena):
         assert s.handles_live == held_handles(arena) == arena.driver.live_handles
     arena.close()
     assert arena.stats().handles_live == 0 and arena.driver.live_handles == 0
+
+
+def test_every_test_checks_the_live_arenas_fault_counters(arena):
+    """conftest's autouse check fails a test after which any live arena's must-be-zero counter
+    moved (and the counters a stats() reports are the ones FAULT_COUNTERS names)."""
+    from arena_checks import assert_no_arena_faults
+
+    from jax_kv.memory.arena import FAULT_COUNTERS, live_arenas
+
+    assert arena in live_arenas()
+    assert set(arena.stats().faults) == set(FAULT_COUNTERS)
+    assert_no_arena_faults()
+    arena._counts["ref_underflows"] += 1
+    try:
+        with pytest.raises(AssertionError, match="ref_underflows"):
+            assert_no_arena_faults()
+    finally:
+        arena._counts["ref_underflows"] -= 1
