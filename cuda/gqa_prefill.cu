@@ -1,11 +1,13 @@
 // GQA prefill: tiled flash attention (mma.sync m16n8k16, f32 accumulation) over the cached
 // past plus the T new tokens, with causal and window block skipping and the append fused in.
 //
-// Grid (ceil(T / 64), Hq, B), 4 warps, 16 query rows per warp. Keys at positions < L come from
-// the cache, keys at positions >= L straight from k_new/v_new: no CTA reads a cache slot this
-// launch writes, so the fused append (by the first query head of each group) races with
-// nothing. K/V tiles stream through a 2-stage cp.async pipeline. f32 inputs take a plain
-// one-warp-per-row path (no f32 tensor-core MMA worth having; it is the accuracy path).
+// Grid (ceil(T / 64), Hq, B), 4 warps, 16 query rows per warp; in the packed form (q [N, Hq, D],
+// cu_seqlens) T is N, and the tiles past a sequence's tokens leave at once (PrefillPrologue).
+// Keys at positions < L come from the cache, keys at positions >= L straight from
+// k_new/v_new: no CTA reads a cache slot this launch writes, so the fused append (by the first
+// query head of each group) races with nothing. K/V tiles stream through a 2-stage cp.async
+// pipeline. f32 inputs take a plain one-warp-per-row path (no f32 tensor-core MMA worth
+// having; it is the accuracy path).
 #include <algorithm>
 #include <atomic>
 #include <type_traits>
@@ -150,19 +152,20 @@ __global__ void __launch_bounds__(kThreads) GqaPrefillMmaKernel(const GqaParams<
                                       reinterpret_cast<const float (&)[HEAD_DIM / 2]>(o), l);
 }
 
-// One warp per query row: the f32 path (and the reference-style fallback). Grid (T, Hq, B).
+// One warp per query row: the f32 path (and the reference-style fallback). Grid (T, Hq, B), or
+// (N, Hq, B) packed.
+// NOTE(perf): packed, that is N * Hq * B CTAs, nearly all leaving at once; f32 is the accuracy
+// path, not the fast one.
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(32) GqaPrefillRowKernel(const GqaParams<T> p) {
   constexpr int kPer = (HEAD_DIM + 31) / 32;
   const int t = blockIdx.x, qh = blockIdx.y, b = blockIdx.z, lane = threadIdx.x;
-  const int T_ = p.num_tokens;
-  const int L = p.lengths[b];
-  const int n_new = p.new_lengths ? p.new_lengths[b] : T_;
-  const int2 rows = prefill::PrefillPrologue<T, HEAD_DIM>(p, b, qh, t, min(t + 1, T_),
-                                                          blockIdx.x == 0 && qh == 0, L, n_new);
+  int64_t q_row0 = 0;  // the row of sequence b's token 0 in q, k_new, v_new and out
+  const int2 rows =
+      prefill::PrefillPrologue<T, HEAD_DIM>(p, b, qh, t, 1, blockIdx.x == 0 && qh == 0, q_row0);
   if (rows.x >= rows.y) return;
+  const int L = p.lengths[b];
   const int group = p.num_q_heads / p.num_kv_heads, hkv = qh / group;
-  const int64_t q_row0 = static_cast<int64_t>(b) * T_;
   const bool use_softcap = p.softcap > 0.0f;
   const float qk_mul = use_softcap ? p.scale / p.softcap : p.scale * kLog2e;
   const float cap_log2 = p.softcap * kLog2e;

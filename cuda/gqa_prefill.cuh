@@ -28,8 +28,12 @@ bool PrefillUsesWgmma(PrefillKernel kernel, int head_dim, int itemsize);
 // Writes new_lengths[b] tokens' K/V at lengths[b]..., and out[b, t] = causal attention of
 // query t over positions [max(0, P + 1 - window), P], P = lengths[b] + t; rows t >=
 // new_lengths[b] are zero. status[b] is set for every b; a bad lengths[b] / new_lengths[b]
-// latches its code, leaves b's cache untouched and makes out[b] NaN. Instantiated for every
-// supported head dim (cuda/head_dims.h) and dtype in cuda/gqa_prefill.cu.
+// latches its code, leaves b's cache untouched and makes out[b] NaN. The packed form
+// (p.cu_seqlens set, q [N, Hq, D]) is the same with sequence b's tokens at rows
+// cu_seqlens[b] ...: a refused b's token rows are NaN, the padding rows [cu_seqlens[B], N)
+// zero, and a malformed cu_seqlens latches JKV_STATUS_BAD_CU_SEQLENS for every b (all of out
+// NaN, no cache written). Instantiated for every supported head dim (cuda/head_dims.h) and
+// dtype in cuda/gqa_prefill.cu.
 template <typename T, int HEAD_DIM>
 cudaError_t LaunchGqaPrefill(const GqaParams<T>& p, cudaStream_t stream,
                              PrefillKernel kernel = PrefillKernel::kAuto);

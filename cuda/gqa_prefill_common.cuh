@@ -1,6 +1,7 @@
 // What the prefill kernels share: the per-sequence status, NaN rows for a bad sequence, zero
-// rows past new_lengths[b] and the fused append of the new K/V (PrefillPrologue), plus the
-// Hopper kernel's launcher (cuda/gqa_prefill_wgmma.cu).
+// rows past its new tokens and the fused append of the new K/V (PrefillPrologue), for the
+// padded and the packed form alike, plus the Hopper kernel's launcher
+// (cuda/gqa_prefill_wgmma.cu).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -12,10 +13,21 @@
 namespace jax_kv {
 namespace prefill {
 
-__device__ __forceinline__ int32_t PrefillStatus(int L, int n_new, int T, int S) {
-  if (n_new < 0 || n_new > T) return JKV_STATUS_NEW_LENGTH_OUT_OF_RANGE;
-  if (L < 0 || static_cast<int64_t>(L) + n_new > S) return JKV_STATUS_LENGTH_OUT_OF_RANGE;
-  return JKV_STATUS_OK;
+// Whether a packed call's cu_seqlens keeps its contract (always true in the padded form). Each
+// warp checks all B + 1 entries itself, a lane per entry, and votes; every lane of every warp
+// calls it. A warp vote, not a CTA barrier (__syncthreads_or): with the barrier the mma.sync
+// kernel took 165 registers at D = 128 and 137 at D = 64, with the vote 136 and 128 (138 and
+// 102 before the packed form; nvcc --resource-usage, sm_90a), and 128 keeps D = 64 at the 4
+// CTAs per SM its shared memory allows.
+// NOTE(perf): (B + 1) / 32 loads per lane in each CTA that gets this far (L1 hits: every CTA
+// reads the same array); the tiles past a sequence's tokens, most CTAs of a packed call,
+// leave before it.
+template <typename T>
+__device__ __forceinline__ bool CuSeqlensOk(const GqaParams<T>& p) {
+  if (p.cu_seqlens == nullptr) return true;
+  bool bad = false;
+  for (int i = threadIdx.x % 32; i <= p.batch; i += 32) bad |= cu_seqlens_entry_bad(p, i);
+  return !__any_sync(0xffffffffu, bad);
 }
 
 template <typename T>
@@ -23,38 +35,49 @@ __device__ __forceinline__ T NanOf() {
   return from_f32<T>(__int_as_float(0x7fc00000));
 }
 
-// Status, NaN rows for a bad b, zero rows past new_lengths[b] and the fused append: the part
-// both prefill kernels share. Returns the live row range [t0, t1) this CTA must compute, or
-// t0 >= t1 when it has nothing left to do.
+// Status, NaN rows for a bad b, zero rows past its new tokens and the fused append: the part
+// both prefill kernels share. The CTA owns rows [t0, t0 + block_rows) of sequence b's rows of
+// out (packed row row0 + t for row t), query head qh. Returns the live row range [t0, t1) it
+// must compute, or t0 >= t1 when it has nothing left to do; sets row0.
 template <typename T, int HEAD_DIM>
 __device__ __forceinline__ int2 PrefillPrologue(const GqaParams<T>& p, int b, int qh, int t0,
-                                                int t_end, bool status_writer, int L, int n_new) {
-  const int T_ = p.num_tokens;
-  const int code = PrefillStatus(L, n_new, T_, writable_capacity(p, b));
-  if (status_writer && threadIdx.x == 0) p.status[b] = code;
-  constexpr int V = VecOf<T>::kElems, NV = HEAD_DIM / V;
-  auto out_row = [&](int t) {
-    return p.out + ((static_cast<int64_t>(b) * T_ + t) * p.num_q_heads + qh) * HEAD_DIM;
-  };
-  if (code != JKV_STATUS_OK) {
-    for (int i = threadIdx.x; i < (t_end - t0) * HEAD_DIM; i += blockDim.x) {
-      out_row(t0 + i / HEAD_DIM)[i % HEAD_DIM] = NanOf<T>();
-    }
+                                                int block_rows, bool status_writer, int64_t& row0) {
+  // Packed: a tile at or past a non-last sequence's tokens has nothing to write whatever
+  // cu_seqlens holds (were it malformed, only the last sequence's tiles would write), so it
+  // leaves before the scan: with many slots of few tokens, that is most of the grid.
+  // NOTE(perf): leaving is not free. The grid is ceil(N / block_m) * Hq * B CTAs (64 slots,
+  // N = 8192, Hq = 32: 131k for the wgmma kernel, whose ~161 KB of shared memory at D = 128
+  // fits one CTA per SM), each paying a launch slot and a load of cu_seqlens. Unmeasured; if
+  // the H200 shows it, a grid over the real tokens' tiles only (found from cu_seqlens) is next.
+  if (p.cu_seqlens != nullptr && b < p.batch - 1 && !status_writer && t0 >= row_new_tokens(p, b)) {
     return make_int2(0, 0);
   }
-  const int live_end = min(t_end, n_new);
-  for (int i = threadIdx.x; i < (t_end - max(t0, live_end)) * NV; i += blockDim.x) {
-    const int t = max(t0, live_end) + i / NV;
+  const PrefillRows r = prefill_rows(p, b, CuSeqlensOk(p));
+  row0 = r.row0;
+  if (status_writer && threadIdx.x == 0) p.status[b] = r.status;
+  const int t_end = min(t0 + block_rows, r.out_rows);
+  constexpr int V = VecOf<T>::kElems, NV = HEAD_DIM / V;
+  auto out_row = [&](int t) { return p.out + ((r.row0 + t) * p.num_q_heads + qh) * HEAD_DIM; };
+  const bool ok = r.status == JKV_STATUS_OK;
+  const int live_end = min(t_end, ok ? r.n_new : 0);
+  if (!ok) {
+    const int nan_end = min(t_end, r.nan_rows);
+    for (int i = threadIdx.x; i < (nan_end - t0) * HEAD_DIM; i += blockDim.x) {
+      out_row(t0 + i / HEAD_DIM)[i % HEAD_DIM] = NanOf<T>();
+    }
+  }
+  const int zero_from = max(t0, ok ? live_end : r.nan_rows);
+  for (int i = threadIdx.x; i < (t_end - zero_from) * NV; i += blockDim.x) {
+    const int t = zero_from + i / NV;
     stg16(out_row(t) + (i % NV) * V, make_uint4(0, 0, 0, 0));
   }
   if (t0 >= live_end) return make_int2(0, 0);
   const int group = p.num_q_heads / p.num_kv_heads;
   if (qh % group == 0) {
-    const int hkv = qh / group;
+    const int hkv = qh / group, L = p.lengths[b];
     for (int i = threadIdx.x; i < (live_end - t0) * NV; i += blockDim.x) {
       const int t = t0 + i / NV, c = (i % NV) * V;
-      const int64_t src =
-          ((static_cast<int64_t>(b) * T_ + t) * p.num_kv_heads + hkv) * HEAD_DIM + c;
+      const int64_t src = ((r.row0 + t) * p.num_kv_heads + hkv) * HEAD_DIM + c;
       const int64_t dst = kv_offset(p.cache, b, L + t, hkv) + c;
       stg16(p.k_cache + dst, ldg16(p.k_new + src));
       stg16(p.v_cache + dst, ldg16(p.v_new + src));
@@ -65,26 +88,26 @@ __device__ __forceinline__ int2 PrefillPrologue(const GqaParams<T>& p, int b, in
 
 // The sequence, query head and query block of this CTA (grid: query blocks of block_m rows in
 // reverse order, so the late, long ones start first; Hq; B), past the shared prologue. False:
-// the CTA has no live query row left to compute.
+// the CTA has no live query row left to compute. The grid's blocks cover T rows (padded) or N
+// (packed: the most any one sequence can own).
 struct PrefillCta {
   int b, qh, hkv, L, m0, live_end;
-  int64_t q_row0;  // b * T: the row of this sequence's token 0 in q, k_new, v_new and out
+  int64_t q_row0;  // the row of this sequence's token 0 in q, k_new, v_new and out
 };
 
 template <typename T, int HEAD_DIM>
 __device__ __forceinline__ bool BeginPrefillCta(const GqaParams<T>& p, int block_m, PrefillCta& c) {
-  const int T_ = p.num_tokens;
   c.qh = blockIdx.y;
   c.b = blockIdx.z;
   c.hkv = c.qh / (p.num_q_heads / p.num_kv_heads);
-  c.L = p.lengths[c.b];
   c.m0 = (gridDim.x - 1 - blockIdx.x) * block_m;
-  c.q_row0 = static_cast<int64_t>(c.b) * T_;
-  const int n_new = p.new_lengths ? p.new_lengths[c.b] : T_;
-  const int2 rows = PrefillPrologue<T, HEAD_DIM>(p, c.b, c.qh, c.m0, min(c.m0 + block_m, T_),
-                                                 blockIdx.x == 0 && c.qh == 0, c.L, n_new);
+  c.q_row0 = 0;
+  const int2 rows = PrefillPrologue<T, HEAD_DIM>(p, c.b, c.qh, c.m0, block_m,
+                                                 blockIdx.x == 0 && c.qh == 0, c.q_row0);
   c.live_end = rows.y;
-  return rows.x < rows.y;
+  if (rows.x >= rows.y) return false;
+  c.L = p.lengths[c.b];
+  return true;
 }
 
 // How raw scores (q.k) become log2-domain logits: x * qk_mul, or cap_log2 * tanh(x * qk_mul)

@@ -9,6 +9,7 @@
 // K/V blocks through a 2-stage cp.async ring, one block ahead, issuing the next block's copies
 // while the tensor cores compute S. The ping-pong shape (not the handler's default yet) lets the
 // two warpgroups run out of step instead, so one's softmax runs under the other's products.
+// The packed form (q [N, Hq, D], cu_seqlens) runs the same grid with T = N.
 #include <algorithm>
 #include <atomic>
 

@@ -69,27 +69,72 @@ inline std::string DimsString(ffi::AnyBuffer::Dimensions dims) {
   return s + "]";
 }
 
-// Checks every buffer of a gqa_decode / gqa_prefill call against the contract and fills the
-// params. `num_tokens_axis` is false for decode (q [B, Hq, D]) and true for prefill
-// (q [B, T, Hq, D]). Data pointers are typed by the caller's dispatch.
+// How a call's q, k, v and out carry the new tokens, and the per-sequence argument that says
+// how many each sequence has.
+struct NewTokens {
+  enum Form {
+    kDecode,  // q [B, Hq, D]: one token per sequence
+    kPadded,  // q [B, T, Hq, D]: new_lengths[b] (or T) tokens of sequence b at rows b * T ...
+    kPacked,  // q [N, Hq, D]: sequence b's tokens at rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1
+  } form = kDecode;
+  const int32_t* new_lengths = nullptr;  // kPadded: [B], or nullptr (= T)
+  const int32_t* cu_seqlens = nullptr;   // kPacked: [B + 1]
+};
+
+// The prefill handlers' per-sequence argument (the one after lengths), read for their form:
+// new_lengths int32 [B] (padded) or cu_seqlens int32 [B + 1] (packed). Its values are checked
+// on the device (status), never read here: the CUDA handlers do no host reads.
+inline ffi::ErrorOr<NewTokens> PrefillTokensOf(NewTokens::Form form, ffi::Buffer<ffi::S32> arg,
+                                               ffi::Buffer<ffi::S32> lengths) {
+  const size_t B = lengths.element_count();
+  NewTokens tokens;
+  tokens.form = form;
+  if (form == NewTokens::kPacked) {
+    if (arg.element_count() != B + 1) {
+      return ffi::Unexpected(
+          ffi::Error::InvalidArgument("cu_seqlens: expected int32 [B + 1=" + std::to_string(B + 1) +
+                                      "], one more than lengths"));
+    }
+    tokens.cu_seqlens = arg.typed_data();
+  } else {
+    if (arg.element_count() != B) {
+      return ffi::Unexpected(
+          ffi::Error::InvalidArgument("new_lengths: expected int32 [B], the shape of lengths"));
+    }
+    tokens.new_lengths = arg.typed_data();
+  }
+  return tokens;
+}
+
+// Checks every buffer of a gqa_decode / gqa_prefill / gqa_prefill_packed call against the
+// contract and fills the params. `tokens` says how q carries the new tokens (decode
+// [B, Hq, D], padded [B, T, Hq, D], packed [N, Hq, D] with B from lengths). Data pointers are
+// typed by the caller's dispatch.
 template <typename Elem>
 ffi::Error FillGqaParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
-                         ffi::Buffer<ffi::S32> lengths, const int32_t* new_lengths,
+                         ffi::Buffer<ffi::S32> lengths, NewTokens tokens,
                          ffi::Buffer<ffi::S32> committed, ffi::Result<ffi::AnyBuffer> out,
                          ffi::Result<ffi::Buffer<ffi::S32>> status,
                          ffi::Result<ffi::Buffer<ffi::F32>> workspace, int32_t layout, float scale,
-                         float softcap, int32_t window, bool has_token_axis, GqaParams<Elem>* p) {
+                         float softcap, int32_t window, GqaParams<Elem>* p) {
   auto geo = CacheGeometryOf("k_cache", k_cache.dimensions(), layout);
   if (geo.has_error()) return geo.error();
+  const bool packed = tokens.form == NewTokens::kPacked;
+  const bool has_token_axis = tokens.form == NewTokens::kPadded;
+  // By NewTokens::Form: decode, padded, packed.
+  static constexpr const char* kQShape[] = {"[B, Hq, D]", "[B, T, Hq, D]", "[N, Hq, D]"};
+  static constexpr const char* kKvShape[] = {"[B, Hkv, D]", "[B, T, Hkv, D]", "[N, Hkv, D]"};
   const int qrank = has_token_axis ? 4 : 3;
   if (q.dimensions().size() != static_cast<size_t>(qrank)) {
-    return InvalidArgument("q: expected rank " + std::to_string(qrank) + ", got " +
-                           DimsString(q.dimensions()));
+    return InvalidArgument("q: expected rank " + std::to_string(qrank) + " " +
+                           kQShape[tokens.form] + ", got " + DimsString(q.dimensions()));
   }
   auto qd = q.dimensions();
-  const int64_t B = qd[0], num_tokens = has_token_axis ? qd[1] : 1, Hq = qd[qrank - 2],
-                D = qd[qrank - 1];
+  // Packed: q's leading axis is the N token rows; B is the batch of lengths and the cache.
+  const int64_t B = packed ? static_cast<int64_t>(lengths.element_count()) : qd[0];
+  const int64_t num_tokens = has_token_axis ? qd[1] : (packed ? qd[0] : 1);
+  const int64_t Hq = qd[qrank - 2], D = qd[qrank - 1];
   const CacheGeometry& g = *geo;
   if (k_cache.dimensions().size() != v_cache.dimensions().size() ||
       k_cache.element_count() != v_cache.element_count()) {
@@ -106,8 +151,11 @@ ffi::Error FillGqaParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   }
   if (g.batch != B || g.head_dim != D) {
     return InvalidArgument("k_cache: expected batch " + std::to_string(B) + " and head_dim " +
-                           std::to_string(D) + " (from q), got " +
-                           DimsString(k_cache.dimensions()));
+                           std::to_string(D) + (packed ? " (from lengths and q)" : " (from q)") +
+                           ", got " + DimsString(k_cache.dimensions()));
+  }
+  if (packed && B < 1) {
+    return InvalidArgument("k_cache: expected B >= 1 sequences (the last owns the padding rows)");
   }
   const int64_t Hkv = g.num_kv_heads;
   if (Hkv <= 0 || Hq % Hkv != 0) {
@@ -117,11 +165,12 @@ ffi::Error FillGqaParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   if (!SupportedHeadDim(D)) return InvalidArgument("q: " + HeadDimError(D));
   for (auto [name, buf] : {std::pair{"k", &k}, std::pair{"v", &v}}) {
     auto d = buf->dimensions();
-    bool ok = d.size() == static_cast<size_t>(qrank) && d[0] == B && d[qrank - 2] == Hkv &&
+    const int64_t lead = packed ? num_tokens : B;  // k, v [B, ...] or [N, Hkv, D]
+    bool ok = d.size() == static_cast<size_t>(qrank) && d[0] == lead && d[qrank - 2] == Hkv &&
               d[qrank - 1] == D && (!has_token_axis || d[1] == num_tokens);
     if (!ok) {
-      return InvalidArgument(std::string(name) + ": expected [B, " + (has_token_axis ? "T, " : "") +
-                             "Hkv, D] matching q and the cache, got " + DimsString(d));
+      return InvalidArgument(std::string(name) + ": expected " + kKvShape[tokens.form] +
+                             " matching q and the cache, got " + DimsString(d));
     }
   }
   for (auto [name, dt] : {std::pair{"k", k.element_type()}, std::pair{"v", v.element_type()},
@@ -150,7 +199,8 @@ ffi::Error FillGqaParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   p->v_cache = reinterpret_cast<Elem*>(v_cache.untyped_data());
   p->out = reinterpret_cast<Elem*>(out->untyped_data());
   p->lengths = lengths.typed_data();
-  p->new_lengths = new_lengths;
+  p->new_lengths = tokens.new_lengths;
+  p->cu_seqlens = tokens.cu_seqlens;
   p->committed = committed.typed_data();
   p->status = status->typed_data();
   p->workspace = workspace->element_count() ? workspace->typed_data() : nullptr;
@@ -240,9 +290,12 @@ inline ffi::Error FillGrowParams(ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> len
       .Attr<int32_t>("kernel")         /* DecodeKernel: auto, simt, mma */  \
       .Attr<int32_t>("cta_shape")      /* DecodeCtas: auto, narrow, wide */ \
       .Attr<int32_t>("split_counters") /* SplitCounters: pool, workspace */
-#define JKV_GQA_PREFILL_BINDING(ctx)                                                          \
-  JKV_GQA_ARGS(ctx)                                                                           \
-      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* new_lengths [B] */ JKV_GQA_COMMITTED_ARG \
+// Both prefill forms bind this: new_tokens, the argument after lengths, is new_lengths [B]
+// (gqa_prefill) or cu_seqlens [B + 1] (gqa_prefill_packed); out is [B, T, Hq, D] or
+// [N, Hq, D].
+#define JKV_GQA_PREFILL_BINDING(ctx)                                                     \
+  JKV_GQA_ARGS(ctx)                                                                      \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* new_tokens */ JKV_GQA_COMMITTED_ARG \
           JKV_GQA_RETS_ATTRS.Attr<int32_t>("kernel") /* PrefillKernel: auto, mma */
 #define JKV_GROW_BINDING(ctx)                                         \
   ::xla::ffi::Ffi::Bind()                                             \

@@ -22,10 +22,8 @@ static ffi::Error GqaDecodeImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
                                 float scale, float softcap, int32_t window, int32_t kernel,
                                 int32_t cta_shape, int32_t split_counters) {
   GqaParams<T> p;
-  ffi::Error err =
-      FillGqaParams<T>(q, k, v, k_cache, v_cache, lengths, /*new_lengths=*/nullptr, committed, out,
-                       status, workspace, layout, scale, softcap, window,
-                       /*has_token_axis=*/false, &p);
+  ffi::Error err = FillGqaParams<T>(q, k, v, k_cache, v_cache, lengths, NewTokens{}, committed, out,
+                                    status, workspace, layout, scale, softcap, window, &p);
   if (err.failure()) return err;
   constexpr int kItemsize = sizeof(T);
   const std::string bad =

@@ -12,8 +12,8 @@ static ffi::Error GqaDecodeCpuDispatch(
     ffi::Result<ffi::Buffer<ffi::F32>> workspace, int32_t layout, float scale, float softcap,
     int32_t window, int32_t /*kernel*/, int32_t /*cta_shape*/, int32_t /*split_counters*/) {
   JKV_DISPATCH_DTYPE(q.element_type(), GqaCpuImpl, q, k, v, *k_cache, *v_cache, lengths,
-                     /*new_lengths=*/nullptr, committed, out, status, workspace, layout, scale,
-                     softcap, window, /*has_token_axis=*/false);
+                     NewTokens{}, committed, out, status, workspace, layout, scale, softcap,
+                     window);
 }
 
 }  // namespace jax_kv

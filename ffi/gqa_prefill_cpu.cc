@@ -1,25 +1,30 @@
-// CPU handler of jax_kv_gqa_prefill: the reference semantics the CUDA handler is checked against.
+// CPU handlers of jax_kv_gqa_prefill and jax_kv_gqa_prefill_packed: the reference semantics the
+// CUDA handlers are checked against. One dispatch serves both forms (NewTokens::Form).
 #include "ffi/common.h"
 #include "ffi/gqa_reference_cpu.h"
 
 namespace jax_kv {
 
+// `new_tokens` is new_lengths [B] (padded form) or cu_seqlens [B + 1] (packed form).
+template <NewTokens::Form kForm>
 static ffi::Error GqaPrefillCpuDispatch(
     ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer /*k_cache*/,
-    ffi::AnyBuffer /*v_cache*/, ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> new_lengths,
+    ffi::AnyBuffer /*v_cache*/, ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> new_tokens,
     ffi::Buffer<ffi::S32> committed, ffi::Result<ffi::AnyBuffer> out,
     ffi::Result<ffi::AnyBuffer> k_cache, ffi::Result<ffi::AnyBuffer> v_cache,
     ffi::Result<ffi::Buffer<ffi::S32>> status, ffi::Result<ffi::Buffer<ffi::F32>> workspace,
     int32_t layout, float scale, float softcap, int32_t window, int32_t /*kernel*/) {
-  if (new_lengths.element_count() != lengths.element_count()) {
-    return InvalidArgument("new_lengths: expected int32 [B], the shape of lengths");
-  }
-  JKV_DISPATCH_DTYPE(q.element_type(), GqaCpuImpl, q, k, v, *k_cache, *v_cache, lengths,
-                     new_lengths.typed_data(), committed, out, status, workspace, layout, scale,
-                     softcap, window, /*has_token_axis=*/true);
+  ffi::ErrorOr<NewTokens> tokens = PrefillTokensOf(kForm, new_tokens, lengths);
+  if (tokens.has_error()) return tokens.error();
+  JKV_DISPATCH_DTYPE(q.element_type(), GqaCpuImpl, q, k, v, *k_cache, *v_cache, lengths, *tokens,
+                     committed, out, status, workspace, layout, scale, softcap, window);
 }
 
 }  // namespace jax_kv
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKvGqaPrefillCpu, jax_kv::GqaPrefillCpuDispatch,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKvGqaPrefillCpu,
+                              jax_kv::GqaPrefillCpuDispatch<jax_kv::NewTokens::kPadded>,
+                              JKV_GQA_PREFILL_BINDING());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKvGqaPrefillPackedCpu,
+                              jax_kv::GqaPrefillCpuDispatch<jax_kv::NewTokens::kPacked>,
                               JKV_GQA_PREFILL_BINDING());

@@ -9,8 +9,13 @@
 
 namespace jax_kv {
 
-enum HostCallTarget : int { kHostCallDecode = 0, kHostCallPrefill = 1, kHostCallGrow = 2 };
-constexpr int kNumHostCallTargets = 3;
+enum HostCallTarget : int {
+  kHostCallDecode = 0,
+  kHostCallPrefill = 1,
+  kHostCallGrow = 2,
+  kHostCallPrefillPacked = 3,
+};
+constexpr int kNumHostCallTargets = 4;
 
 // Defined in module_cuda.cc.
 extern std::atomic<int64_t> g_host_calls[kNumHostCallTargets];

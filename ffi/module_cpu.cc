@@ -7,6 +7,7 @@
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvGqaDecodeCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvGqaPrefillCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvGqaPrefillPackedCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvGrowCacheCpu);
 
 namespace nb = nanobind;
@@ -24,6 +25,7 @@ NB_MODULE(_ffi_cpu, m) {
     nb::dict d;
     d["jax_kv_gqa_decode"] = Capsule(JaxKvGqaDecodeCpu);
     d["jax_kv_gqa_prefill"] = Capsule(JaxKvGqaPrefillCpu);
+    d["jax_kv_gqa_prefill_packed"] = Capsule(JaxKvGqaPrefillPackedCpu);
     d["jax_kv_grow_cache"] = Capsule(JaxKvGrowCacheCpu);
     return d;
   });

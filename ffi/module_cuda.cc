@@ -20,6 +20,7 @@
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvGqaDecodeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvGqaPrefillCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvGqaPrefillPackedCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxKvGrowCacheCuda);
 
 namespace jax_kv {
@@ -34,7 +35,7 @@ static nb::capsule Capsule(Fn* fn) {
 }
 
 static const char* const kTargetNames[jax_kv::kNumHostCallTargets] = {
-    "jax_kv_gqa_decode", "jax_kv_gqa_prefill", "jax_kv_grow_cache"};
+    "jax_kv_gqa_decode", "jax_kv_gqa_prefill", "jax_kv_grow_cache", "jax_kv_gqa_prefill_packed"};
 
 // The plan of the decode kernel a call of this shape runs with these attribute values (the
 // handler's own choice), or std::invalid_argument naming what the handler would refuse.
@@ -67,6 +68,7 @@ NB_MODULE(_ffi_cuda, m) {
     nb::dict d;
     d["jax_kv_gqa_decode"] = Capsule(JaxKvGqaDecodeCuda);
     d["jax_kv_gqa_prefill"] = Capsule(JaxKvGqaPrefillCuda);
+    d["jax_kv_gqa_prefill_packed"] = Capsule(JaxKvGqaPrefillPackedCuda);
     d["jax_kv_grow_cache"] = Capsule(JaxKvGrowCacheCuda);
     return d;
   });

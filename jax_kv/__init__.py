@@ -4,7 +4,7 @@ that read only the live tokens, and a generation loop whose compiled step surviv
 from jax_kv.cache import GrowthEvent, KvCache
 from jax_kv.decode import GenerationResult, GenerationStats, Generator, Sampling
 from jax_kv.layout import KvStrides, Layout
-from jax_kv.ops import gqa_decode, gqa_prefill, grow_cache
+from jax_kv.ops import gqa_decode, gqa_prefill, gqa_prefill_packed, grow_cache
 
 __version__ = "0.1.0.dev0"
 
@@ -19,6 +19,7 @@ __all__ = [
     "Sampling",
     "gqa_decode",
     "gqa_prefill",
+    "gqa_prefill_packed",
     "grow_cache",
     "__version__",
 ]

@@ -5,7 +5,8 @@ from collections.abc import Sequence
 from typing import Any
 
 def registrations() -> dict[str, Any]:
-    """Target name -> PyCapsule of the CPU handler (jax_kv_gqa_decode, _prefill, _grow_cache)."""
+    """Target name -> PyCapsule of the CPU handler (jax_kv_gqa_decode, _prefill,
+    _prefill_packed, _grow_cache)."""
 
 def export_view(
     ptr: int, shape: Sequence[int], dtype: str, device_type: str, device_id: int, owner: object

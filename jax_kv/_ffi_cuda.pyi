@@ -5,7 +5,8 @@ kernel a call runs is a function of the call (its dtype and head dim, and the `k
 from typing import Any
 
 def registrations() -> dict[str, Any]:
-    """Target name -> PyCapsule of the CUDA handler (jax_kv_gqa_decode, _prefill, _grow_cache)."""
+    """Target name -> PyCapsule of the CUDA handler (jax_kv_gqa_decode, _prefill,
+    _prefill_packed, _grow_cache)."""
 
 def decode_plan(
     batch: int,

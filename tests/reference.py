@@ -91,6 +91,39 @@ def gqa_decode_ref(q, k, v, k_cache, v_cache, lengths, **kw):
     return out[:, 0], kc, vc
 
 
+def unpack_rows(x, cu_seqlens, T: int) -> np.ndarray:
+    """Packed rows [N, ...] -> padded [B, T, ...] (float64, zeros past each sequence's rows):
+    sequence b's rows are cu_seqlens[b] .. cu_seqlens[b + 1] - 1."""
+    x, cu = np.asarray(x, np.float64), np.asarray(cu_seqlens, np.int64)
+    out = np.zeros((len(cu) - 1, T) + x.shape[1:], np.float64)
+    for b in range(len(cu) - 1):
+        out[b, : cu[b + 1] - cu[b]] = x[cu[b] : cu[b + 1]]
+    return out
+
+
+def pack_rows(x, cu_seqlens, N: int) -> np.ndarray:
+    """Padded [B, T, ...] -> packed [N, ...] (float64): the inverse of unpack_rows, zeros in
+    the padding rows [cu_seqlens[B], N)."""
+    x, cu = np.asarray(x, np.float64), np.asarray(cu_seqlens, np.int64)
+    out = np.zeros((N,) + x.shape[2:], np.float64)
+    for b in range(len(cu) - 1):
+        out[cu[b] : cu[b + 1]] = x[b, : cu[b + 1] - cu[b]]
+    return out
+
+
+def gqa_packed_ref(q, k, v, k_cache, v_cache, lengths, cu_seqlens, **kw):
+    """The packed form's contract through gqa_attention_ref: q [N, Hq, D], k, v [N, Hkv, D]
+    unpacked to [B, T] by cu_seqlens, attended, packed back. Returns (out [N, Hq, D],
+    k_cache, v_cache) as float64 arrays; padding rows of out are zeros."""
+    cu = np.asarray(cu_seqlens, np.int64)
+    new = np.diff(cu)
+    T, N = max(1, int(new.max(initial=0))), np.shape(q)[0]
+    out, kc, vc = gqa_attention_ref(
+        *(unpack_rows(x, cu, T) for x in (q, k, v)), k_cache, v_cache, lengths, new, **kw
+    )
+    return pack_rows(out, cu, N), kc, vc
+
+
 def grow_cache_ref(cache, lengths, new_capacity, *, layout):
     """The live prefix copied into a zero cache of capacity new_capacity (float64)."""
     c = _to_bshd(cache, layout)

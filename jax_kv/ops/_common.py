@@ -104,20 +104,28 @@ def attention_attrs(
 
 
 def check_attention_inputs(
-    q: Any, k: Any, v: Any, k_cache: Any, v_cache: Any, layout: Layout, token_axis: bool
+    q: Any,
+    k: Any,
+    v: Any,
+    k_cache: Any,
+    v_cache: Any,
+    layout: Layout,
+    token_axis: bool,
+    packed: bool = False,
 ) -> tuple[int, int, int, int, int, int]:
-    """Shape/dtype contract shared by decode (q [B, Hq, D]) and prefill (q [B, T, Hq, D]).
+    """Shape/dtype contract shared by decode (q [B, Hq, D]), prefill (q [B, T, Hq, D]) and
+    packed prefill (`packed`: q [N, Hq, D], B from the cache).
 
-    Returns (B, T, Hq, Hkv, D, S).
+    Returns (B, T, Hq, Hkv, D, S), T = N for the packed form.
     """
     rank = 4 if token_axis else 3
-    q_spelled = "[B, T, Hq, D]" if token_axis else "[B, Hq, D]"
+    q_spelled = "[B, T, Hq, D]" if token_axis else "[N, Hq, D]" if packed else "[B, Hq, D]"
     if q.ndim != rank:
         raise ValueError(f"q: expected rank {rank} {q_spelled}, got {describe(q)}")
     if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
         raise ValueError(f"q: expected dtype bfloat16, float16 or float32, got {describe(q)}")
     B, Hq, D = q.shape[0], q.shape[-2], q.shape[-1]
-    T = q.shape[1] if token_axis else 1
+    T = q.shape[1] if token_axis else q.shape[0] if packed else 1
     if D not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"q: head_dim D must be one of {SUPPORTED_HEAD_DIMS}, got {describe(q)}")
     cache_spelled = {Layout.HEAD_MAJOR: "[B, Hkv, S, D]", Layout.SEQ_MAJOR: "[B, S, Hkv, D]"}
@@ -127,18 +135,25 @@ def check_attention_inputs(
             f"got {describe(k_cache)}"
         )
     Bc, S, Hkv, Dc = layout.dims_of(k_cache.shape)
+    if packed:
+        B = Bc  # q's leading axis is the N packed tokens
     if Bc != B or Dc != D:
         raise ValueError(
-            f"k_cache: expected {cache_spelled[layout]} ({layout.name}) with B={B} "
-            f"and D={D} from q, got {describe(k_cache)}"
+            f"k_cache: expected {cache_spelled[layout]} ({layout.name}) with "
+            + ("" if packed else f"B={B} and ")
+            + f"D={D} from q, got {describe(k_cache)}"
         )
     if Hq % Hkv != 0:
         raise ValueError(
             f"q: expected Hq to be a multiple of Hkv={Hkv} (from k_cache), got Hq={Hq}"
         )
     check_shape("v_cache", v_cache, k_cache.shape, "the shape of k_cache")
-    kv_shape = (B, T, Hkv, D) if token_axis else (B, Hkv, D)
-    kv_spelled = "[B, T, Hkv, D]" if token_axis else "[B, Hkv, D]"
+    if token_axis:
+        kv_shape, kv_spelled = (B, T, Hkv, D), "[B, T, Hkv, D]"
+    elif packed:
+        kv_shape, kv_spelled = (T, Hkv, D), "[N, Hkv, D]"
+    else:
+        kv_shape, kv_spelled = (B, Hkv, D), "[B, Hkv, D]"
     check_shape("k", k, kv_shape, kv_spelled)
     check_shape("v", v, kv_shape, kv_spelled)
     for name, x in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -180,20 +195,22 @@ def call_attention(
     workspace: tuple[int],
     return_status: bool,
 ) -> tuple[jax.Array, ...]:
-    """The FFI call of gqa_decode / gqa_prefill (op "decode" / "prefill").
+    """The FFI call of gqa_decode / gqa_prefill / gqa_prefill_packed (op "decode" /
+    "prefill" / "prefill_packed").
 
-    args: (q, k, v, k_cache, v_cache, lengths[, new_lengths], committed). The caches come
-    back aliased to the inputs (updated in place when donated); the status [B] is returned on
-    request and the handler's float32 workspace (of shape `workspace`) is dropped.
+    args: (q, k, v, k_cache, v_cache, lengths[, new_lengths or cu_seqlens], committed). The
+    caches come back aliased to the inputs (updated in place when donated); the status [B]
+    (the shape of lengths) is returned on request and the handler's float32 workspace (of
+    shape `workspace`) is dropped.
     """
-    q, k_cache, v_cache = args[0], args[3], args[4]
+    q, k_cache, v_cache, lengths = args[0], args[3], args[4], args[5]
     call = jax.ffi.ffi_call(
         f"jax_kv_gqa_{op}",
         (
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
             jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
-            jax.ShapeDtypeStruct((q.shape[0],), jnp.int32),
+            jax.ShapeDtypeStruct(lengths.shape, jnp.int32),
             jax.ShapeDtypeStruct(workspace, jnp.float32),
         ),
         input_output_aliases={3: 1, 4: 2},
