@@ -226,6 +226,9 @@ class _VmmGrowth(GrowthStrategy):
         for i, (a, r) in enumerate(zip(arrays, self.regions, strict=True)):
             ptr = a.unsafe_buffer_pointer()
             if ptr != r.ptr:
+                # A step that failed on the device hands back arrays that carry its error, at
+                # other addresses: that error is the cause the caller must see, raised here.
+                a.block_until_ready()
                 raise ArenaError(
                     f"accept: output cache {i} moved from {r.ptr:#x} to {ptr:#x}: donate "
                     f"the cache arrays to the step so XLA updates them in place"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -25,7 +26,9 @@ from jax_kv.decode.protocol import DecoderModel
 from jax_kv.decode.sampling import GREEDY, Sampling, sample
 from jax_kv.layout import Layout
 
-PREFILL_MIN_TOKENS = 16  # prompt lengths are padded to powers of two from here: few compiles
+PREFILL_MIN_TOKENS = 16  # a prefill call's tokens are padded to powers of two from here
+# The most real tokens one prefill call computes: its temporaries do not depend on the prompts.
+PREFILL_CHUNK_TOKENS = 4096
 
 # GenerationStats fields copied from KvCache.stats() at the end of a run.
 _CACHE_STATS = (
@@ -47,6 +50,7 @@ FINISH_LENGTH = "length"  # prompt + new tokens reached max_len (or the model's 
 STATUS_CAUSES = {
     1: "a cache position at or past the committed capacity (lengths out of range)",
     2: "new_lengths outside [0, T]",
+    3: "cu_seqlens malformed (not starting at 0, decreasing, or past the packed tokens)",
 }
 
 
@@ -122,7 +126,9 @@ class GenerationStats:
     # CUDA handlers' host code runs only when XLA records (not replays) its command buffer:
     # per decode call, the sum over targets of host calls (None without the CUDA module).
     host_calls_per_step: list[int] | None = None
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0  # real prompt tokens
+    prefill_tokens_computed: int = 0  # token positions the prefill calls computed (buckets)
+    prefill_calls: int = 0
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
@@ -138,12 +144,18 @@ class GenerationStats:
         return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
+    def prefill_padding_ratio(self) -> float:
+        """Token positions computed per real prompt token (1.0: no padding)."""
+        return self.prefill_tokens_computed / self.prefill_tokens if self.prefill_tokens else 0.0
+
+    @property
     def decode_tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["prefill_tokens_per_s"] = self.prefill_tokens_per_s
+        d["prefill_padding_ratio"] = self.prefill_padding_ratio
         d["decode_tokens_per_s"] = self.decode_tokens_per_s
         return d
 
@@ -185,6 +197,10 @@ class Generator:
             256).
         arena: a VmmArena or EagerArena (default: VMM on CUDA, eager elsewhere).
         tokens_per_call: decode steps per jitted call when no growth can happen inside it.
+        prefill_chunk_tokens: the most prompt tokens one prefill call computes (>= 16). The
+            prompts' real tokens are packed on one token axis (padded to a power of two, at
+            most this), a longer prompt is prefilled over several calls: the prefill's
+            temporary memory depends on this, not on the prompts.
         fuse_projections: run one q/k/v and one gate/up matmul per layer (same outputs,
             fewer and larger kernels). The fused weights are the Generator's own copy: the
             caller's params are never modified or deleted (an unfused model therefore holds
@@ -205,8 +221,12 @@ class Generator:
         arena: Any = None,
         tokens_per_call: int = 1,
         fuse_projections: bool = True,
+        prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
     ) -> None:
         self.tokens_per_call = _check_int("tokens_per_call", tokens_per_call, 1)
+        self.prefill_chunk_tokens = _check_int(
+            "prefill_chunk_tokens", prefill_chunk_tokens, PREFILL_MIN_TOKENS
+        )
         if max_len is not None:
             max_len = _check_int("max_len", max_len, 2)
         self.min_bucket = runtime_config().min_bucket if min_bucket is None else min_bucket
@@ -233,24 +253,23 @@ class Generator:
     # -- compiled steps -----------------------------------------------------------------------
 
     def _prefill_fn(self, key: StepKey) -> Callable[..., Any]:
+        """One packed prefill call: the real tokens of several rows on one token axis of
+        key.num_tokens (a bucket), each row's prompt piece appended at its length. Rows whose
+        prompt ends in this call sample their first token; the others keep `next_tok`."""
         model, layout, sampling = self.model, key.layout, key.sampling
 
-        def run(params, tokens, new_lengths, caches, lengths, committed, rng):
+        def run(params, tokens, cu_seqlens, caches, lengths, committed, ends, next_tok, status,
+                rng):  # fmt: skip
             committed = committed if self._bound_writes else None
-            logits, caches, *status = model.prefill(
-                params,
-                tokens,
-                new_lengths,
-                caches,
-                lengths,
-                layout=layout,
-                last_only=True,
-                committed=committed,
+            logits, caches, *latched = model.prefill_packed(
+                params, tokens, cu_seqlens, caches, lengths, layout=layout, committed=committed
             )
             rng, sub = jax.random.split(rng)
-            tokens = sample(logits, sub, sampling)
-            emitted = _with_status(tokens, status[0]) if status else tokens
-            return emitted, tokens, caches, lengths + new_lengths, rng
+            next_tok = jnp.where(ends, sample(logits, sub, sampling), next_tok)
+            if latched:
+                status = jnp.maximum(status, latched[0])
+            lengths = lengths + (cu_seqlens[1:] - cu_seqlens[:-1])
+            return _with_status(next_tok, status), next_tok, caches, lengths, status, rng
 
         return run
 
@@ -314,7 +333,7 @@ class Generator:
             # graph holds stay the same from call to call and it is replayed, not re-recorded
             # (a fresh `lengths` buffer per step re-ran every attention handler's host code).
             # `committed` is not donated: it is the cache's, at a fixed address (KvCache).
-            donate = (3, 4, 6) if key.kind == "prefill" else (1, 2, 3, 6)
+            donate = (3, 4, 7, 8, 9) if key.kind == "prefill" else (1, 2, 3, 6)
             step = jax.jit(counted, donate_argnums=donate)
             t0 = time.perf_counter()
             step.lower(*args).compile()
@@ -407,14 +426,14 @@ class Generator:
         budget = (
             np.full((B,), max_new, np.int64) if cap is None else np.minimum(max_new, cap - lens)
         )
-        T = bucket_for(int(lens.max()), PREFILL_MIN_TOKENS)
         stats = GenerationStats(layout=self.layout.name)
         cache = self.make_cache(B, int(lens.max()))
         try:
-            result = self._run(
-                cache, ids, lens, budget, max_new, T, sampling, stop, on_tokens, stats
-            )
+            result = self._run(cache, ids, lens, budget, max_new, sampling, stop, on_tokens, stats)
         except BaseException as error:
+            # The steps' references to the cache's arrays live in the traceback's frames: they
+            # go first (the caller keeps the error, not the arrays), so the cache can close.
+            traceback.clear_frames(error.__traceback__)
             # The cause reaches the caller; a failure to release the cache rides along with it
             # instead of replacing it (an arena error used to hide an out-of-memory prefill).
             try:
@@ -449,37 +468,68 @@ class Generator:
             out.add(int(t))
         return out
 
-    def _run(self, cache, ids, lens, budget, max_new, T, sampling, stop, on_tokens, stats):
+    def _prefill(self, cache, ids, lens, sampling, rng, stats):
+        """The prompts, in packed calls of at most prefill_chunk_tokens real tokens (rows in
+        order, a long prompt split over calls with its past) -> (first tokens [B] on the host,
+        next_tok, lengths, rng on the device)."""
+        B, chunk = len(ids), self.prefill_chunk_tokens
+        dtype = jnp.dtype(self.model.dtype).name
+        lengths = jnp.asarray(cache.lengths)
+        next_tok = jnp.zeros((B,), jnp.int32)
+        status = jnp.zeros((B,), jnp.int32)
+        done = np.zeros((B,), np.int64)  # prompt tokens prefilled per row
+        t0, compile0 = time.perf_counter(), stats.compile_seconds
+        while (done < lens).any():
+            counts = np.zeros((B,), np.int64)
+            room = chunk
+            for b in np.flatnonzero(done < lens):
+                counts[b] = min(int(lens[b] - done[b]), room)
+                room -= counts[b]
+                if room == 0:
+                    break
+            real = int(counts.sum())
+            N = min(bucket_for(real, PREFILL_MIN_TOKENS), chunk)
+            tokens = np.zeros((N,), np.int32)
+            tokens[:real] = np.concatenate(
+                [ids[b][done[b] : done[b] + counts[b]] for b in range(B) if counts[b]]
+            )
+            cu_seqlens = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+            ends = (counts > 0) & (done + counts == lens)
+            caches = list(zip(cache.k, cache.v, strict=True))
+            args = (
+                self.params,
+                jnp.asarray(tokens),
+                jnp.asarray(cu_seqlens),
+                caches,
+                lengths,
+                cache.committed,
+                jnp.asarray(ends),
+                next_tok,
+                status,
+                rng,
+            )
+            key = StepKey("prefill", self.layout, cache.array_capacity, B, dtype, N, sampling)
+            (emitted, next_tok, caches, lengths, status, rng), _ = self._call(key, args, stats)
+            self._accept(cache, caches, counts, verify=True)
+            done += counts
+            stats.prefill_calls += 1
+            stats.prefill_tokens_computed += N
+        first = np.asarray(emitted)
+        stats.prefill_seconds = time.perf_counter() - t0 - (stats.compile_seconds - compile0)
+        stats.prefill_tokens = int(lens.sum())
+        _check_status(first, "prefill")
+        return first, next_tok, lengths, rng
+
+    def _run(self, cache, ids, lens, budget, max_new, sampling, stop, on_tokens, stats):
         B = len(ids)
         params = self.params
         dtype = jnp.dtype(self.model.dtype).name
-        tokens = np.zeros((B, T), np.int32)
-        for b, p in enumerate(ids):
-            tokens[b, : len(p)] = p
         # The last position each row writes: prompt + budget - 1 < max_len (see _decode_fn).
         last_np = (lens + budget - 1).astype(np.int32)
         last = jnp.asarray(last_np)
         rng = jax.random.key(sampling.seed)
         sampling = dataclasses.replace(sampling, seed=0)  # for the step keys
-        caches = list(zip(cache.k, cache.v, strict=True))
-        lengths = jnp.asarray(cache.lengths)
-        args = (
-            params,
-            jnp.asarray(tokens),
-            jnp.asarray(lens),
-            caches,
-            lengths,
-            cache.committed,
-            rng,
-        )
-        key = StepKey("prefill", self.layout, cache.array_capacity, B, dtype, T, sampling)
-        t0, compile0 = time.perf_counter(), stats.compile_seconds
-        (emitted, next_tok, caches, lengths, rng), _ = self._call(key, args, stats)
-        first = np.asarray(emitted)
-        stats.prefill_seconds = time.perf_counter() - t0 - (stats.compile_seconds - compile0)
-        stats.prefill_tokens = int(lens.sum())
-        self._accept(cache, caches, lens, verify=True)
-        _check_status(first, "prefill")
+        first, next_tok, lengths, rng = self._prefill(cache, ids, lens, sampling, rng, stats)
 
         out: list[list[int]] = [[] for _ in range(B)]
         reasons: list[str | None] = [None] * B

@@ -13,15 +13,16 @@ class DecoderModel(Protocol):
 
     config: read for the cache geometry and the limits: num_layers, num_kv_heads, head_dim,
         vocab_size, max_position_embeddings (None: unbounded), eos_token_ids.
-    params: the weights pytree, passed back to prefill / decode_step as their first argument
+    params: the weights pytree, passed back to prefill_packed / decode_step as their first argument
         (an argument of the jitted step, not a constant baked into it).
     dtype: the activations' and the caches' dtype.
     tokenizer: a `tokenizers.Tokenizer` or None (then prompts are token ids).
 
-    prefill(params, tokens [B, T], new_lengths [B], caches, lengths [B], *, layout, last_only,
-        committed) -> (logits [B, V] (last_only) or [B, T, V], caches, status [B]) with
-        `committed` given: T new tokens per sequence appended at lengths[b] (jax_kv.gqa_prefill's
-        contract, writes bounded by committed[b]), logits in float32.
+    prefill_packed(params, tokens [N], cu_seqlens [B+1], caches, lengths [B], *, layout,
+        committed) -> (logits [B, V] of each row's last new token, caches, status [B]): the
+        real new tokens of all rows packed on one token axis, row b's at
+        tokens[cu_seqlens[b]:cu_seqlens[b+1]] (jax_kv.gqa_prefill_packed's contract); what
+        the Generator prefills with.
     decode_step(params, tokens [B], caches, lengths [B], *, layout, committed)
         -> (logits [B, V], caches, status [B]): one token per sequence at lengths[b].
     Both run inside jax.jit with the caches donated: per layer (k_cache, v_cache) in `layout`.
@@ -34,8 +35,8 @@ class DecoderModel(Protocol):
     @property
     def dtype(self) -> Any: ...
 
-    def prefill(
-        self, params: Any, tokens: Any, new_lengths: Any, caches: Any, lengths: Any, **kw: Any
+    def prefill_packed(
+        self, params: Any, tokens: Any, cu_seqlens: Any, caches: Any, lengths: Any, **kw: Any
     ) -> tuple: ...
 
     def decode_step(

@@ -42,7 +42,7 @@ import numpy as np
 from jax_kv.layout import Layout
 from jax_kv.models.config import ModelConfig
 from jax_kv.models.projection import project
-from jax_kv.ops import gqa_decode, gqa_prefill
+from jax_kv.ops import gqa_decode, gqa_prefill, gqa_prefill_packed
 from jax_kv.ops.norm import rms_norm
 
 Params = dict[str, Any]
@@ -186,6 +186,37 @@ def _logits(params: Params, config: ModelConfig, x: jax.Array) -> jax.Array:
     return jnp.matmul(x, head.T, preferred_element_type=jnp.float32)
 
 
+def _check_caches(config: ModelConfig, caches: Caches) -> None:
+    if len(caches) != config.num_layers:
+        raise ValueError(
+            f"caches: expected {config.num_layers} (k_cache, v_cache) pairs "
+            f"(one per layer), got {len(caches)}"
+        )
+
+
+def _decoder(
+    params: Params,
+    config: ModelConfig,
+    x: jax.Array,
+    positions: jax.Array,
+    caches: Caches,
+    attend: Callable[..., tuple],
+    projection: Callable[..., Any],
+) -> tuple[jax.Array, Caches]:
+    """The layers over x [b, t, H] at positions [b, t]; attend(q [b, t, Hq, D], k, v [b, t,
+    Hkv, D], k_cache, v_cache) -> (attn [b, t, Hq, D], k_cache, v_cache) is the form's
+    attention call (padded prefill, packed prefill or decode). -> (x [b, t, H], caches)."""
+    b, t, _ = x.shape
+    out_caches: Caches = []
+    for p, (k_cache, v_cache) in zip(params["layers"], caches, strict=True):
+        q, k, v = _qkv(p, config, x, positions, projection)
+        attn, k_cache, v_cache = attend(q, k, v, k_cache, v_cache)
+        x = projection(attn.reshape(b, t, -1), p["wo"], residual=x)
+        x = _mlp(p, config, x, projection)
+        out_caches.append((k_cache, v_cache))
+    return x, out_caches
+
+
 def prefill(
     params: Params,
     config: ModelConfig,
@@ -201,6 +232,9 @@ def prefill(
     committed: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """Runs T new tokens per sequence through the decoder, appending their K/V to the caches.
+
+    The padded form: every row computes T positions. `prefill_packed` computes only the real
+    tokens (what the Generator runs).
 
     Args:
         params: the params pytree (module docstring).
@@ -227,39 +261,85 @@ def prefill(
         caches with the new K/V written. The caller advances lengths by new_lengths.
     """
     B, T = tokens.shape
-    if len(caches) != config.num_layers:
-        raise ValueError(
-            f"caches: expected {config.num_layers} (k_cache, v_cache) pairs "
-            f"(one per layer), got {len(caches)}"
-        )
-    projection = projection or project
+    _check_caches(config, caches)
     positions = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
     x = jnp.take(params["embed"], tokens, axis=0)  # [B, T, H]
-    out_caches: Caches = []
     checked = _StatusPath(committed, B)
-    for p, (k_cache, v_cache) in zip(params["layers"], caches, strict=True):
-        q, k, v = _qkv(p, config, x, positions, projection)
-        # attn: [B, T, Hq, D]
-        attn, k_cache, v_cache = checked(
+
+    def attend(q, k, v, k_cache, v_cache):
+        return checked(
             attention(
-                q,
-                k,
-                v,
-                k_cache,
-                v_cache,
-                lengths,
-                new_lengths=new_lengths,
-                layout=layout,
+                q, k, v, k_cache, v_cache, lengths, new_lengths=new_lengths, layout=layout,
                 **checked.kwargs,
             )
-        )
-        x = projection(attn.reshape(B, T, -1), p["wo"], residual=x)
-        x = _mlp(p, config, x, projection)
-        out_caches.append((k_cache, v_cache))
+        )  # fmt: skip
+
+    x, out_caches = _decoder(params, config, x, positions, caches, attend, projection or project)
     if last_only:
         last = jnp.full((B,), T - 1, jnp.int32) if new_lengths is None else new_lengths - 1
         x = x[jnp.arange(B), jnp.maximum(last, 0)]  # [B, H]
     return checked.result(_logits(params, config, x), out_caches)
+
+
+def packed_positions(cu_seqlens: jax.Array, lengths: jax.Array, num_tokens: int) -> jax.Array:
+    """int32 [N] cache position of each packed token: row b's tokens cu_seqlens[b] ...
+    cu_seqlens[b+1]-1 sit at lengths[b], lengths[b]+1, ...; padding tokens (>= cu_seqlens[B])
+    get the last row's next positions (their attention output is zeros and nothing is
+    written for them; their position only has to be a valid RoPE angle)."""
+    j = jnp.arange(num_tokens, dtype=jnp.int32)
+    row = jnp.searchsorted(cu_seqlens[1:-1], j, side="right").astype(jnp.int32)  # [N], in [0, B)
+    return lengths[row] + j - cu_seqlens[row]
+
+
+def prefill_packed(
+    params: Params,
+    config: ModelConfig,
+    tokens: jax.Array,
+    cu_seqlens: jax.Array,
+    caches: Caches,
+    lengths: jax.Array,
+    *,
+    layout: Layout | str | int,
+    attention: Callable[..., Any] = gqa_prefill_packed,
+    projection: Callable[..., Any] | None = None,
+    committed: jax.Array | None = None,
+) -> tuple[jax.Array, ...]:
+    """Runs the real new tokens of B cache rows, packed on one token axis, through the decoder:
+    projections, norms, MLP and attention see [N, H] activations, so padding costs only the
+    rounding of N (jax_kv.gqa_prefill_packed's contract).
+
+    Args:
+        tokens: int32 [N]; row b's new tokens are tokens[cu_seqlens[b]:cu_seqlens[b+1]], the
+            rest (>= cu_seqlens[B]) padding.
+        cu_seqlens: int32 [B+1], 0 = cu_seqlens[0] <= ... <= cu_seqlens[B] <= N. A row with no
+            new tokens has cu_seqlens[b] == cu_seqlens[b+1] (its logits are meaningless).
+        caches, lengths, layout, projection, committed: as in `prefill` (B rows).
+        attention: gqa_prefill_packed or a function of its contract.
+
+    Returns:
+        (float32 logits [B, V] of each row's last new token, caches), plus status int32 [B]
+        when `committed` is given. The caller advances lengths[b] by cu_seqlens[b+1] -
+        cu_seqlens[b].
+    """
+    (N,) = tokens.shape
+    B = lengths.shape[0]
+    _check_caches(config, caches)
+    positions = packed_positions(cu_seqlens, lengths, N)[None]  # [1, N]
+    x = jnp.take(params["embed"], tokens, axis=0)[None]  # [1, N, H]
+    checked = _StatusPath(committed, B)
+
+    def attend(q, k, v, k_cache, v_cache):
+        attn, *rest = checked(
+            attention(
+                q[0], k[0], v[0], k_cache, v_cache, lengths, cu_seqlens, layout=layout,
+                **checked.kwargs,
+            )
+        )  # fmt: skip
+        return (attn[None], *rest)
+
+    x, out_caches = _decoder(params, config, x, positions, caches, attend, projection or project)
+    last = jnp.clip(cu_seqlens[1:] - 1, 0, N - 1)  # [B]
+    return checked.result(_logits(params, config, x[0, last]), out_caches)
 
 
 def decode_step(
@@ -285,28 +365,21 @@ def decode_step(
     is given; the caller advances lengths by 1.
     """
     (B,) = tokens.shape
-    if len(caches) != config.num_layers:
-        raise ValueError(
-            f"caches: expected {config.num_layers} (k_cache, v_cache) pairs "
-            f"(one per layer), got {len(caches)}"
-        )
-    projection = projection or project
-    positions = lengths[:, None]  # [B, 1]
+    _check_caches(config, caches)
     x = jnp.take(params["embed"], tokens, axis=0)[:, None, :]  # [B, 1, H]
-    out_caches: Caches = []
     checked = _StatusPath(committed, B)
-    for p, (k_cache, v_cache) in zip(params["layers"], caches, strict=True):
-        q, k, v = _qkv(p, config, x, positions, projection)
-        # attn: [B, Hq, D]
-        attn, k_cache, v_cache = checked(
+
+    def attend(q, k, v, k_cache, v_cache):
+        attn, *rest = checked(
             attention(
                 q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, lengths, layout=layout,
                 **checked.kwargs,
             )
         )  # fmt: skip
-        x = projection(attn.reshape(B, 1, -1), p["wo"], residual=x)
-        x = _mlp(p, config, x, projection)
-        out_caches.append((k_cache, v_cache))
+        return (attn[:, None], *rest)
+
+    positions = lengths[:, None]  # [B, 1]
+    x, out_caches = _decoder(params, config, x, positions, caches, attend, projection or project)
     return checked.result(_logits(params, config, x[:, 0]), out_caches)
 
 

@@ -96,6 +96,19 @@ class Model:
         """llama.prefill with this model's config: T new tokens per sequence."""
         return llama.prefill(params, self.config, tokens, new_lengths, caches, lengths, **kw)
 
+    def prefill_packed(
+        self,
+        params: llama.Params,
+        tokens: Any,
+        cu_seqlens: Any,
+        caches: Any,
+        lengths: Any,
+        **kw: Any,
+    ) -> tuple:
+        """llama.prefill_packed with this model's config: the real new tokens of all rows
+        packed on one token axis."""
+        return llama.prefill_packed(params, self.config, tokens, cu_seqlens, caches, lengths, **kw)
+
     def decode_step(
         self, params: llama.Params, tokens: Any, caches: Any, lengths: Any, **kw: Any
     ) -> tuple:

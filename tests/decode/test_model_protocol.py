@@ -1,5 +1,5 @@
 """The loop depends on the DecoderModel protocol, not on llama (issue 20, item 5): a model of
-another class that provides prefill / decode_step / fused_params runs in the Generator
+another class that provides prefill_packed / decode_step / fused_params runs in the Generator
 unchanged, and an object that is not a model is refused by name."""
 
 import dataclasses
@@ -24,8 +24,8 @@ class NegatedLogits:
     tokenizer = None
     dtype = property(lambda self: self.inner.dtype)
 
-    def prefill(self, params, tokens, new_lengths, caches, lengths, **kw):
-        logits, *rest = self.inner.prefill(params, tokens, new_lengths, caches, lengths, **kw)
+    def prefill_packed(self, params, tokens, cu_seqlens, caches, lengths, **kw):
+        logits, *rest = self.inner.prefill_packed(params, tokens, cu_seqlens, caches, lengths, **kw)
         return (-logits, *rest)
 
     def decode_step(self, params, tokens, caches, lengths, **kw):
