@@ -137,10 +137,46 @@ def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if sampling.top_p < 1.0:
         sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        # Keep a token while the mass before it is below top_p: the top token always stays.
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        keep = mass_before < jnp.float32(sampling.top_p)
-        cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+        cutoff = _top_p_cutoff(sorted_logits, jnp.float32(sampling.top_p))
         logits = jnp.where(logits < cutoff, -jnp.inf, logits)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def _top_p_cutoff(sorted_logits: jax.Array, top_p: jax.Array) -> jax.Array:
+    """sorted_logits [B, V] descending, top_p scalar or [B, 1] -> the smallest logit kept
+    [B, 1]: a token stays while the mass before it is below top_p (the top token always)."""
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = mass_before < top_p
+    return jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+
+
+def sample_rows(
+    logits: jax.Array,
+    keys: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+) -> jax.Array:
+    """Next tokens from logits [B, V] with each row's own sampling -> int32 [B].
+
+    The parameters are device arrays, not part of a compiled step's key, so one step serves
+    any mix of requests (the engine's rows): keys [B] (typed jax.random keys), temperature
+    float32 [B] (a row below GREEDY_BELOW is greedy), top_k int32 [B] (0 = all), top_p
+    float32 [B] in (0, 1]. Row b equals `sample(logits[b:b+1], keys[b], Sampling(...))`.
+    A step whose rows are all greedy skips the sort."""
+    greedy = temperature < GREEDY_BELOW
+
+    def draw(logits):
+        V = logits.shape[-1]
+        scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, GREEDY_BELOW)[:, None]
+        ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
+        k = jnp.where((top_k > 0) & (top_k < V), top_k, V)[:, None]
+        kth = jnp.take_along_axis(ordered, k - 1, axis=-1)
+        ordered = jnp.where(jnp.arange(V)[None, :] < k, ordered, -jnp.inf)  # top-k, then top-p
+        cutoff = jnp.maximum(kth, _top_p_cutoff(ordered, top_p[:, None]))
+        kept = jnp.where(scaled < cutoff, -jnp.inf, scaled)
+        drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row[None])[0])(keys, kept)
+        return jnp.where(greedy, argmax_rows(logits), drawn.astype(jnp.int32))
+
+    return jax.lax.cond(jnp.all(greedy), argmax_rows, draw, logits)

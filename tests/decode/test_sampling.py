@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_kv.decode.sampling import Sampling, argmax_rows, sample
+from jax_kv.decode.sampling import Sampling, argmax_rows, sample, sample_rows
 
 
 def test_greedy_is_argmax(rng):
@@ -157,3 +157,44 @@ def test_small_temperature_above_threshold_still_samples():
     for i in range(30):
         seen |= set(np.asarray(sample(jnp.asarray(x), jax.random.key(i), s)).tolist())
     assert seen == {3, 7}
+
+
+def rows_of(samplings):
+    return (
+        jnp.asarray([s.temperature for s in samplings], jnp.float32),
+        jnp.asarray([s.top_k for s in samplings], jnp.int32),
+        jnp.asarray([s.top_p for s in samplings], jnp.float32),
+    )
+
+
+def test_sample_rows_equals_sample_row_by_row(rng):
+    """Each row's own temperature / top_k / top_p, one compiled function for the mix: row b is
+    what `sample` gives for that row alone with the same key (greedy rows are argmax)."""
+    samplings = [
+        Sampling(),
+        Sampling(temperature=0.7),
+        Sampling(temperature=1.3, top_k=5),
+        Sampling(temperature=0.9, top_p=0.5),
+        Sampling(temperature=1.0, top_k=20, top_p=0.8),
+        Sampling(temperature=2.0, top_k=1000),  # k past the vocabulary: all
+        Sampling(temperature=1e-6, top_k=3),  # below GREEDY_BELOW: greedy
+    ]
+    logits = jnp.asarray(rng.standard_normal((len(samplings), 300)) * 3, jnp.float32)
+    step = jax.jit(sample_rows)
+    drawn = set()
+    for trial in range(16):
+        keys = jax.random.split(jax.random.key(trial), len(samplings))
+        got = np.asarray(step(logits, keys, *rows_of(samplings))).tolist()
+        want = [int(sample(logits[b : b + 1], keys[b], s)[0]) for b, s in enumerate(samplings)]
+        assert got == want, trial
+        drawn.add(got[1])
+    assert len(drawn) > 1  # the sampled rows really sample
+    argmax = np.argmax(np.asarray(logits), axis=-1)
+    assert got[0] == argmax[0] and got[-1] == argmax[-1]
+
+
+def test_sample_rows_all_greedy_is_argmax(rng):
+    logits = jnp.asarray(rng.standard_normal((4, 2000)), jnp.float32)
+    keys = jax.random.split(jax.random.key(0), 4)
+    got = sample_rows(logits, keys, *rows_of([Sampling()] * 4))
+    np.testing.assert_array_equal(np.asarray(got), np.argmax(np.asarray(logits), axis=-1))
