@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
+import os
 from typing import Any
 
 
@@ -165,11 +166,13 @@ class HostDriver:
 
     The reservation is read-only anonymous address space (MAP_NORESERVE): reading bytes that
     were never committed returns zeros (the kernel's shared zero page, as the GPU arena's zero
-    granule), writing them faults. Commit is mprotect(READ|WRITE); unmap drops the pages
-    (MADV_DONTNEED) and makes them read-only again; mapping the arena's zero handle is a
-    no-op because every read-only page already reads as zeros. `limit_bytes` caps the physical
-    handles that can exist, to test exhaustion; `inject_failure` makes the next calls of one
-    operation fail, to test the arena's failure paths.
+    granule), writing them faults. A physical handle is one granule of a memfd; `map` maps it
+    MAP_SHARED at an address (read-only until `set_access`), so one handle mapped at several
+    addresses shows the same bytes everywhere, as cuMemMap of one handle does; `unmap` puts
+    read-only anonymous memory back; `release` punches the handle's granule out of the file.
+    `limit_bytes` caps the physical handles that can exist, to test exhaustion;
+    `inject_failure` makes the next calls of one operation fail, to test the arena's failure
+    paths.
     """
 
     kind = "cpu"
@@ -202,7 +205,10 @@ class HostDriver:
         self._libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         self._libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         self._libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        self._next_handle = 0
+        self._libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+        self._fd = os.memfd_create("jax_kv_host_arena", os.MFD_CLOEXEC)
+        self._file_handles = 0  # handles the file is sized for
+        self._free_handles: list[int] = []  # released handles, their storage punched out
         self._live_handles: set[int] = set()
         self._failures: dict[str, list[int]] = {}
 
@@ -252,27 +258,39 @@ class HostDriver:
                 f"host driver: physical limit {self.limit_bytes} bytes reached "
                 f"({len(self._live_handles)} granules of {self.granule} live)"
             )
-        self._next_handle += 1
-        self._live_handles.add(self._next_handle)
-        return self._next_handle
+        if self._free_handles:
+            handle = self._free_handles.pop()
+        else:
+            handle = self._file_handles
+            self._file_handles += 1
+            os.ftruncate(self._fd, self._file_handles * self.granule)
+        self._live_handles.add(handle)
+        return handle
 
     def release(self, handle: int) -> None:
         self._maybe_fail("release")
         self._live_handles.remove(handle)
+        # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE: the storage goes (a reuse reads zeros).
+        self._libc.fallocate(self._fd, 0x02 | 0x01, handle * self.granule, self.granule)
+        self._free_handles.append(handle)
 
     @property
     def live_handles(self) -> int:
         return len(self._live_handles)
 
+    def _mmap_fixed(self, va: int, nbytes: int, flags: int, fd: int, offset: int) -> None:
+        flags |= 0x10  # MAP_FIXED: replaces whatever is mapped there
+        if self._libc.mmap(va, nbytes, mmap.PROT_READ, flags, fd, offset) != va:
+            raise ArenaError(f"mmap at {va:#x} failed: errno {ctypes.get_errno()}")
+
     def map(self, va: int, handle: int) -> None:
         self._maybe_fail("map")
-        del handle  # host pages are the handle's storage; nothing to bind
+        self._mmap_fixed(va, self.granule, mmap.MAP_SHARED, self._fd, handle * self.granule)
 
     def unmap(self, va: int, nbytes: int) -> None:
         self._maybe_fail("unmap")
-        self._libc.madvise(va, nbytes, 4)  # MADV_DONTNEED: drop the pages (reads zero later)
-        if self._libc.mprotect(va, nbytes, mmap.PROT_READ) != 0:
-            raise ArenaError(f"mprotect(PROT_READ) failed: errno {ctypes.get_errno()}")
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
+        self._mmap_fixed(va, nbytes, flags, -1, 0)  # read-only anonymous: reads zeros
 
     def set_access(self, va: int, nbytes: int, read_only: bool = False) -> None:
         self._maybe_fail("set_access")
@@ -299,7 +317,9 @@ class HostDriver:
         pass
 
     def close(self) -> None:
-        pass
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def host_view(self, ptr: int, nbytes: int) -> memoryview:
         """Test helper: the bytes at `ptr` (must be committed)."""

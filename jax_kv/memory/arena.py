@@ -64,9 +64,13 @@ class ArenaStats:
     zero_fill_calls: int  # device memsets of newly committed granules (one per run)
     quarantined_bytes: int  # granules whose unmap failed: held, never handed out again
     handles_live: int  # physical handles created and not yet released (0 after close)
-    ref_underflows: int  # a region's granule count would have gone below 0 (must be 0)
+    ref_underflows: int  # a granule or handle count would have gone below 0 (must be 0)
     unaccounted_committed_bytes: int  # committed granules no live region accounts for (0)
     unbacked_bytes: int  # region granules neither committed nor zero-mapped (must be 0)
+    mapped_bytes: int  # every mapping of a committed handle (shared handles once per mapping)
+    shared_mappings: int  # mappings of a handle beyond its first (VmmArena.share)
+    share_calls: int  # granules mapped by share, cumulative
+    cow_copies: int  # shared granules given a handle of their own (copy_on_write), cumulative
     map_calls: int
     unmap_calls: int
     set_access_calls: int
@@ -125,6 +129,10 @@ class _State:
         self.base = 0
         self.reserved = 0
         self.mapped: dict[int, Any] = {}  # granule index -> physical handle (committed)
+        # id(handle) -> how many granule indices map it: a handle shared by several mappings
+        # (VmmArena.share) returns to the pool only when its last mapping goes.
+        self.refs: dict[int, int] = {}
+        self.held_by_quarantine: set[int] = set()  # id(handle) of handles a failed unmap holds
         self.zero_handle: Any = None  # the shared zeroed granule, mapped read-only
         self.zero_mapped: set[int] = set()  # granule indices mapped to zero_handle
         self.quarantined: dict[int, Any] = {}  # granule index -> handle whose unmap failed
@@ -144,6 +152,8 @@ class _State:
                 "zero_access",
                 "zero_fill",
                 "ref_underflows",
+                "share",
+                "cow_copies",
             ),
             0,
         )
@@ -171,9 +181,12 @@ class _State:
         handles = [*self.mapped.values(), *self.pool, *self.quarantined.values(), *self.unreleased]
         if self.zero_handle is not None:
             handles.append(self.zero_handle)
-        for handle in handles:
+        # A shared handle appears once per mapping: each is released once.
+        for handle in {id(h): h for h in handles}.values():
             self.counts["release"] += attempt(d.release, handle)
         self.mapped.clear()
+        self.refs.clear()
+        self.held_by_quarantine.clear()
         self.pool.clear()
         self.zero_mapped.clear()
         self.quarantined.clear()
@@ -394,7 +407,8 @@ class VmmArena:
 
     @property
     def committed_bytes(self) -> int:
-        return len(self._state.mapped) * self.granule
+        """Physical bytes mapped: a handle mapped at several addresses counts once."""
+        return len(self._state.refs) * self.granule
 
     @property
     def live_views(self) -> int:
@@ -431,6 +445,10 @@ class VmmArena:
             * self.granule,
             handles_live=c["create"] - c["release"],
             ref_underflows=c["ref_underflows"],
+            mapped_bytes=len(self._state.mapped) * self.granule,
+            shared_mappings=len(self._state.mapped) - len(self._state.refs),
+            share_calls=c["share"],
+            cow_copies=c["cow_copies"],
             unaccounted_committed_bytes=abs(
                 sum(r.granules for r in self._regions.values()) - len(self._state.mapped)
             )
@@ -564,6 +582,19 @@ class VmmArena:
                     total += index not in s.quarantined
         return total
 
+    def _drop_ref(self, handle: Any) -> bool:
+        """One mapping of `handle` goes; True if it was the last."""
+        refs = self._state.refs
+        n = refs.get(id(handle), 0) - 1
+        if n < 0:
+            self._counts["ref_underflows"] += 1
+            return False
+        if n:
+            refs[id(handle)] = n
+            return False
+        del refs[id(handle)]
+        return True
+
     def _count_granule(self, index: int, delta: int) -> None:
         region = self._region_of(index)
         if region is None:
@@ -604,7 +635,8 @@ class VmmArena:
     def _create(self, in_flight: int = 0) -> Any:
         if self.limit_bytes is not None:
             s = self._state
-            held = len(s.mapped) + len(s.pool) + len(s.quarantined) + len(s.unreleased) + in_flight
+            quarantined = len({id(h) for h in s.quarantined.values()} - s.refs.keys())
+            held = len(s.refs) + len(s.pool) + quarantined + len(s.unreleased) + in_flight
             physical = (held + 1) * self.granule
             if physical > self.limit_bytes:
                 raise ArenaExhausted(f"arena limit of {self.limit_bytes} bytes reached")
@@ -613,6 +645,172 @@ class VmmArena:
         self._create_seconds += time.perf_counter() - t0
         self._counts["create"] += 1
         return handle
+
+    def _granule_span(self, what: str, region: Region, offset: int, nbytes: int) -> range:
+        g = self.granule
+        if offset % g or nbytes % g or offset < 0 or nbytes < 0:
+            raise ValueError(
+                f"{what}: offset and nbytes must be multiples of the granule ({g} bytes), got "
+                f"offset={offset}, nbytes={nbytes}"
+            )
+        if offset + nbytes > region.reserved_bytes:
+            raise ValueError(
+                f"{what}: [{offset}, {offset + nbytes}) passes the region's "
+                f"{region.reserved_bytes} reserved bytes"
+            )
+        if region.freed:
+            raise ArenaError(f"{what}: the region was freed")
+        first = (region.offset + offset) // g
+        return range(first, first + nbytes // g)
+
+    def share(
+        self,
+        src: Region,
+        src_offset: int,
+        dst: Region,
+        dst_offset: int,
+        nbytes: int,
+        *,
+        read_only: bool = True,
+    ) -> CommitReport:
+        """Maps the physical granules behind [src_offset, src_offset + nbytes) of `src` at
+        [dst_offset, ...) of `dst` too: both ranges then hold the same bytes, and the memory
+        is counted once (committed_bytes) however many mappings it has (mapped_bytes). Offsets
+        and nbytes are granule multiples; every source granule must be committed, every
+        destination granule uncommitted. Read-only by default (a prefix others read); write to
+        a shared granule only after copy_on_write. All or nothing: a refusal changes nothing.
+        Decommitting either range later unmaps only that mapping; a handle returns to the pool
+        when its last mapping goes."""
+        g = self.granule
+        with self._lock:
+            self._check_open()
+            src_span = self._granule_span("share", src, src_offset, nbytes)
+            dst_span = self._granule_span("share", dst, dst_offset, nbytes)
+            s, d = self._state, self._state.driver
+            for i in src_span:
+                if i not in s.mapped or i in self._pending:
+                    raise ArenaError(
+                        f"share: source granule {i - src_span.start} of the range is not "
+                        f"committed (src_offset={src_offset}, nbytes={nbytes})"
+                    )
+            for i in dst_span:
+                if i in s.mapped or i in s.quarantined:
+                    raise ArenaError(
+                        f"share: destination granule {i - dst_span.start} of the range is "
+                        f"already committed (dst_offset={dst_offset}); decommit it first"
+                    )
+            t0 = time.perf_counter()
+            done: list[int] = []
+            unzeroed: list[int] = []
+            try:
+                d.make_current()
+                for i, j in zip(src_span, dst_span, strict=True):
+                    if j in s.zero_mapped:
+                        d.unmap(s.base + j * g, g)
+                        self._counts["unmap"] += 1
+                        s.zero_mapped.discard(j)
+                        unzeroed.append(j)
+                    d.map(s.base + j * g, s.mapped[i])
+                    self._counts["map"] += 1
+                    done.append(j)
+                runs = _runs(list(dst_span))
+                for first, count in runs:
+                    d.set_access(s.base + first * g, count * g, read_only=read_only)
+                    self._counts["set_access"] += 1
+            except ArenaError:
+                for j in done:
+                    try:
+                        d.unmap(s.base + j * g, g)
+                        self._counts["unmap"] += 1
+                    except ArenaError:
+                        pass  # nothing maps there by the arena's books: reads as unbacked
+                try:
+                    self._map_zero(unzeroed)
+                except ArenaError:
+                    pass  # counted by stats().unbacked_bytes
+                raise
+            for i, j in zip(src_span, dst_span, strict=True):
+                handle = s.mapped[i]
+                s.mapped[j] = handle
+                s.refs[id(handle)] += 1
+                self._count_granule(j, +1)
+            self._counts["share"] += len(dst_span)
+            seconds = time.perf_counter() - t0
+            return CommitReport(len(dst_span), len(dst_span), len(runs), seconds)
+
+    def _restore_mapping(self, index: int, handle: Any, fresh: Any) -> None:
+        """A copy-on-write step failed at `index`: map the shared `handle` there again
+        (read-only, as shared granules are) and pool `fresh` once nothing maps it. If the
+        unmap fails, `fresh` may still be mapped there: the granule is quarantined with it."""
+        s, d, g = self._state, self._state.driver, self.granule
+        va = s.base + index * g
+        try:
+            d.unmap(va, g)
+        except ArenaError:
+            s.quarantined[index] = fresh
+            s.held_by_quarantine.add(id(fresh))
+            del s.mapped[index]
+            self._count_granule(index, -1)
+            self._drop_ref(handle)
+            return
+        s.pool.append(fresh)
+        try:
+            d.map(va, handle)
+            d.set_access(va, g, read_only=True)
+        except ArenaError:
+            del s.mapped[index]  # nothing is mapped there now: stats().unbacked_bytes counts it
+            self._count_granule(index, -1)
+            self._drop_ref(handle)
+
+    def copy_on_write(self, region: Region, offset: int, nbytes: int) -> int:
+        """Gives every shared granule of [offset, offset + nbytes) of `region` a handle of its
+        own holding a copy of its bytes, writable; granules not shared are left as they are
+        (made writable). Returns the granules copied (counted in stats().cow_copies)."""
+        g = self.granule
+        with self._lock:
+            self._check_open()
+            span = self._granule_span("copy_on_write", region, offset, nbytes)
+            s, d = self._state, self._state.driver
+            for i in span:
+                if i not in s.mapped or i in self._pending:
+                    raise ArenaError(
+                        f"copy_on_write: granule {i - span.start} of the range is not committed"
+                    )
+            shared = [i for i in span if s.refs[id(s.mapped[i])] > 1]
+            copied = []
+            if shared:
+                d.make_current()
+                d.synchronize()  # in-flight work may still read through the shared mapping
+            for i in shared:
+                old = s.mapped[i]
+                if s.refs[id(old)] <= 1:
+                    continue  # its other mappings in this range were copied already
+                source = next(j for j, h in s.mapped.items() if h is old and j != i)
+                handle = s.pool.pop() if s.pool else self._create()
+                va = s.base + i * g
+                try:
+                    d.unmap(va, g)
+                    self._counts["unmap"] += 1
+                    d.map(va, handle)
+                    self._counts["map"] += 1
+                    d.set_access(va, g)
+                    self._counts["set_access"] += 1
+                    d.copy2d(va, g, s.base + source * g, g, g, 1)
+                    self._counts["copy"] += 1
+                except ArenaError:
+                    self._restore_mapping(i, old, handle)
+                    raise
+                s.mapped[i] = handle
+                s.refs[id(handle)] = 1
+                self._drop_ref(old)
+                self._counts["cow_copies"] += 1
+                copied.append(i)
+            if copied:
+                d.finish_copies()
+            for first, count in _runs([i for i in span if i not in copied]):
+                d.set_access(s.base + first * g, count * g)
+                self._counts["set_access"] += 1
+            return len(copied)
 
     def commit(self, ranges: Iterable[tuple[Region, int, int]]) -> CommitReport:
         """Commits [start, end) of each region, all or nothing: on a refusal every granule
@@ -722,6 +920,7 @@ class VmmArena:
                 ) from e
             for index, handle in zip(missing, handles, strict=True):
                 s.mapped[index] = handle
+                s.refs[id(handle)] = 1
                 self._count_granule(index, +1)
             seconds = time.perf_counter() - t0
             self._commit_seconds += seconds
@@ -756,13 +955,17 @@ class VmmArena:
                 handle = s.mapped.pop(index)
                 self._pending.discard(index)
                 self._count_granule(index, -1)
+                last = self._drop_ref(handle)
                 try:
                     d.unmap(s.base + index * g, g)
                 except ArenaError:
                     s.quarantined[index] = handle  # may still be mapped: never handed out
+                    s.held_by_quarantine.add(id(handle))
                     continue
                 self._counts["unmap"] += 1
                 unmapped.append(index)
+                if not last or id(handle) in s.held_by_quarantine:
+                    continue  # another mapping (or a failed unmap) still holds the handle
                 if len(s.pool) * g < self.pool_target:
                     s.pool.append(handle)
                 else:
