@@ -663,6 +663,13 @@ class VmmArena:
         first = (region.offset + offset) // g
         return range(first, first + nbytes // g)
 
+    def _require_committed(self, span: range, what: str) -> None:
+        """Refuses unless every granule of `span` is mapped and not queued for decommit;
+        `what` names the granule ({} is its place in the span)."""
+        for i in span:
+            if i not in self._state.mapped or i in self._pending:
+                raise ArenaError(what.format(i - span.start) + " is not committed")
+
     def share(
         self,
         src: Region,
@@ -687,12 +694,9 @@ class VmmArena:
             src_span = self._granule_span("share", src, src_offset, nbytes)
             dst_span = self._granule_span("share", dst, dst_offset, nbytes)
             s, d = self._state, self._state.driver
-            for i in src_span:
-                if i not in s.mapped or i in self._pending:
-                    raise ArenaError(
-                        f"share: source granule {i - src_span.start} of the range is not "
-                        f"committed (src_offset={src_offset}, nbytes={nbytes})"
-                    )
+            self._require_committed(
+                src_span, f"share: source granule {{}} of the range (src_offset={src_offset})"
+            )
             for i in dst_span:
                 if i in s.mapped or i in s.quarantined:
                     raise ArenaError(
@@ -771,11 +775,7 @@ class VmmArena:
             self._check_open()
             span = self._granule_span("copy_on_write", region, offset, nbytes)
             s, d = self._state, self._state.driver
-            for i in span:
-                if i not in s.mapped or i in self._pending:
-                    raise ArenaError(
-                        f"copy_on_write: granule {i - span.start} of the range is not committed"
-                    )
+            self._require_committed(span, "copy_on_write: granule {} of the range")
             shared = [i for i in span if s.refs[id(s.mapped[i])] > 1]
             copied = []
             if shared:
