@@ -509,8 +509,11 @@ class Generator:
                 rng,
             )
             key = StepKey("prefill", self.layout, cache.array_capacity, B, dtype, N, sampling)
-            (emitted, next_tok, caches, lengths, status, rng), _ = self._call(key, args, stats)
-            self._accept(cache, caches, counts, verify=True)
+            outputs, compiled = self._call(key, args, stats)
+            emitted, next_tok, caches, lengths, status, rng = outputs
+            # Verified on a step's first call only: the cache cannot grow between chunks, so a
+            # compiled step cannot move its outputs (and no pointer read waits on the device).
+            self._accept(cache, caches, counts, verify=compiled)
             done += counts
             stats.prefill_calls += 1
             stats.prefill_tokens_computed += N
