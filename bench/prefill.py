@@ -116,13 +116,14 @@ def time_padded(model, prompts, repeats) -> tuple[float, str]:
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = p
     step = padded_step(config)
+    params = llama.fuse_projections(model.params)  # as the Generator runs, packed or padded
     times = []
     try:
         for _ in range(repeats + 1):
             caches = llama.init_caches(config, B, T, layout=LAYOUT, dtype=model.dtype)
             t0 = time.perf_counter()
             logits, caches = step(
-                model.params,
+                params,
                 jnp.asarray(tokens),
                 jnp.asarray(lens),
                 caches,
