@@ -76,8 +76,23 @@ def test_packed_positions():
     assert got == [10, 11, 12, 30, 31, 32, 33, 34]  # rows 0 and 2; padding continues row 2
 
 
+def make_arena(kind: str):
+    if kind == "eager":
+        return EagerArena()
+    from jax_kv.memory import VmmArena
+
+    return VmmArena(reserve_bytes=1 << 30)
+
+
+# The host driver's views cannot run a jitted step in place: XLA's CPU client does not donate
+# DLPack-imported buffers (the output comes back elsewhere and the cache refuses it), so the
+# VMM cases run on the GPU.
+ARENAS = ["eager", pytest.param("vmm", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("arena_kind", ARENAS)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_chunk_boundaries_keep_the_tokens(model, layout):
+def test_chunk_boundaries_keep_the_tokens(model, layout, arena_kind):
     """Prompts of exactly k * chunk and k * chunk + 1 tokens, of 1 token, and one longer than
     three chunks beside short ones: the tokens equal the static reference loop's."""
     chunk = 16
@@ -85,7 +100,8 @@ def test_chunk_boundaries_keep_the_tokens(model, layout):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, model.config.vocab_size, n).tolist() for n in lengths]
     want = greedy_static(model.params, model.config, prompts, 6, layout=layout)
-    gen = Generator(model, layout=layout, min_bucket=16, prefill_chunk_tokens=chunk)
+    arena = make_arena(arena_kind)
+    gen = Generator(model, layout=layout, min_bucket=16, prefill_chunk_tokens=chunk, arena=arena)
     out = gen.generate(prompts, 6, stop_tokens=())
     assert out.tokens == want
     s = out.stats
@@ -194,20 +210,6 @@ def cache_arrays_alive(config) -> set[int]:
 
 def arena_state(arena):
     return arena.committed_bytes, arena.stats().live_views if hasattr(arena, "live_views") else 0
-
-
-def make_arena(kind: str):
-    if kind == "eager":
-        return EagerArena()
-    from jax_kv.memory import VmmArena
-
-    return VmmArena(reserve_bytes=1 << 30)
-
-
-# The host driver's views cannot run a jitted step in place: XLA's CPU client does not donate
-# DLPack-imported buffers (the output comes back elsewhere and the cache refuses it), so the
-# VMM case runs on the GPU.
-ARENAS = ["eager", pytest.param("vmm", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("arena_kind", ARENAS)
