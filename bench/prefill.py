@@ -29,8 +29,8 @@ import numpy as np
 import jax_kv.models as jm
 from jax_kv import Layout
 from jax_kv.cache import bucket_for
-from jax_kv.decode import GREEDY, Generator
-from jax_kv.decode.generator import PREFILL_CHUNK_TOKENS, PREFILL_MIN_TOKENS, StepKey
+from jax_kv.decode import Generator
+from jax_kv.decode.generator import PREFILL_CHUNK_TOKENS, PREFILL_MIN_TOKENS
 from jax_kv.models import llama
 
 LAYOUT = Layout.SEQ_MAJOR
@@ -85,18 +85,6 @@ def padded_temp_bytes(config, params, batch, T, dtype) -> int:
         sds((batch,)),
     )
     return padded_step(config).lower(*args).compile().memory_analysis().temp_size_in_bytes
-
-
-def packed_temp_bytes(gen: Generator, batch: int, capacity: int, N: int, dtype) -> int:
-    config = gen.model.config
-    key = StepKey("prefill", LAYOUT, capacity, batch, jnp.dtype(dtype).name, N, GREEDY)
-    rng = jax.eval_shape(lambda: jax.random.key(0))
-    args = (
-        gen.params, sds((N,)), sds((batch + 1,)), cache_sds(config, batch, capacity, dtype),
-        sds((batch,)), sds((batch,)), sds((batch,), jnp.bool_), sds((batch,)), sds((batch,)), rng,
-    )  # fmt: skip
-    step = jax.jit(gen._prefill_fn(key), donate_argnums=(3, 4, 7, 8, 9))
-    return step.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
 def packed_plan(lengths: list[int], chunk: int) -> tuple[int, int, int]:
@@ -188,7 +176,7 @@ def main() -> None:
             padded=dict(computed=B * T, temp_bytes=padded_temp_bytes(config, params, B, T, dtype)),
             packed=dict(
                 computed=computed, calls=calls,
-                temp_bytes=packed_temp_bytes(gen, B, T, N, dtype),
+                temp_bytes=gen.prefill_temp_bytes(B, T, N),
             ),
         )  # fmt: skip
         if model is not None:

@@ -30,6 +30,11 @@ PREFILL_MIN_TOKENS = 16  # a prefill call's tokens are padded to powers of two f
 # The most real tokens one prefill call computes: its temporaries do not depend on the prompts.
 PREFILL_CHUNK_TOKENS = 4096
 
+# The arguments each step kind donates (see _call): prefill (params, tokens, cu_seqlens,
+# caches, lengths, committed, ends, next_tok, status, rng), decode (params, tokens, caches,
+# lengths, committed, last, rng).
+_DONATED = {"prefill": (3, 4, 7, 8, 9), "decode": (1, 2, 3, 6)}
+
 # GenerationStats fields copied from KvCache.stats() at the end of a run.
 _CACHE_STATS = (
     "growth_events",
@@ -273,6 +278,31 @@ class Generator:
 
         return run
 
+    def prefill_temp_bytes(self, batch: int, capacity: int, num_tokens: int) -> int:
+        """XLA's temporary bytes of one prefill call (`compile().memory_analysis()`): the
+        memory it needs beyond the weights and the cache, for `batch` rows of a cache of
+        `capacity` tokens and `num_tokens` packed tokens (at most prefill_chunk_tokens).
+        Lowered from shapes alone: no array is made and nothing runs, so a model whose params
+        are jax.ShapeDtypeStructs answers too."""
+        config, dtype = self.model.config, jnp.dtype(self.model.dtype)
+        key = StepKey("prefill", self.layout, capacity, batch, dtype.name, num_tokens, GREEDY)
+
+        def shaped(shape: tuple[int, ...], dtype: Any = jnp.int32) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(shape, dtype)
+
+        cache = shaped(
+            self.layout.cache_shape(batch, capacity, config.num_kv_heads, config.head_dim), dtype
+        )
+        rows = shaped((batch,))
+        args = (
+            jax.tree_util.tree_map(lambda a: shaped(a.shape, a.dtype), self.params),
+            shaped((num_tokens,)), shaped((batch + 1,)), [(cache, cache)] * config.num_layers,
+            rows, rows, shaped((batch,), jnp.bool_), rows, rows,
+            jax.eval_shape(lambda: jax.random.key(0)),
+        )  # fmt: skip
+        step = jax.jit(self._prefill_fn(key), donate_argnums=_DONATED["prefill"])
+        return step.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
     def _decode_fn(self, key: StepKey) -> Callable[..., Any]:
         model, layout, sampling = self.model, key.layout, key.sampling
 
@@ -333,8 +363,7 @@ class Generator:
             # graph holds stay the same from call to call and it is replayed, not re-recorded
             # (a fresh `lengths` buffer per step re-ran every attention handler's host code).
             # `committed` is not donated: it is the cache's, at a fixed address (KvCache).
-            donate = (3, 4, 7, 8, 9) if key.kind == "prefill" else (1, 2, 3, 6)
-            step = jax.jit(counted, donate_argnums=donate)
+            step = jax.jit(counted, donate_argnums=_DONATED[key.kind])
             t0 = time.perf_counter()
             step.lower(*args).compile()
             stats.compile_seconds += time.perf_counter() - t0

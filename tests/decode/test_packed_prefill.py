@@ -15,8 +15,8 @@ from reference_loop import greedy_static
 
 import jax_kv.models as jm
 from jax_kv import Layout
-from jax_kv.decode import GREEDY, Generator
-from jax_kv.decode.generator import PREFILL_MIN_TOKENS, StepKey
+from jax_kv.decode import Generator
+from jax_kv.decode.generator import PREFILL_MIN_TOKENS
 from jax_kv.memory import EagerArena
 from jax_kv.models import llama
 
@@ -140,29 +140,12 @@ def sds(shape, dtype=jnp.int32):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def prefill_temp_bytes(gen: Generator, batch: int, capacity: int, num_tokens: int) -> int:
-    """Temporary bytes of the Generator's compiled prefill step for a cache of `capacity`
-    tokens, lowered from shapes alone (no arrays, nothing run)."""
-    config = gen.model.config
-    key = StepKey("prefill", gen.layout, capacity, batch, "float32", num_tokens, GREEDY)
-    shape = gen.layout.cache_shape(batch, capacity, config.num_kv_heads, config.head_dim)
-    caches = [(sds(shape, jnp.float32), sds(shape, jnp.float32))] * config.num_layers
-    params = jax.tree_util.tree_map(lambda a: sds(a.shape, a.dtype), gen.params)
-    rng = jax.eval_shape(lambda: jax.random.key(0))
-    args = (
-        params, sds((num_tokens,)), sds((batch + 1,)), caches, sds((batch,)), sds((batch,)),
-        sds((batch,), jnp.bool_), sds((batch,)), sds((batch,)), rng,
-    )  # fmt: skip
-    step = jax.jit(gen._prefill_fn(key), donate_argnums=(3, 4, 7, 8, 9))
-    return step.lower(*args).compile().memory_analysis().temp_size_in_bytes
-
-
 def test_prefill_temp_memory_does_not_depend_on_the_longest_prompt(model):
     """The chunk bounds a prefill call: the step for a 32k-token cache needs the same temporary
     memory as for a 1k one. The padded form's grows with T (the test's negative control)."""
     gen = Generator(model, prefill_chunk_tokens=512)
-    small = prefill_temp_bytes(gen, 8, 1024, 512)
-    large = prefill_temp_bytes(gen, 8, 32768, 512)
+    small = gen.prefill_temp_bytes(8, 1024, 512)
+    large = gen.prefill_temp_bytes(8, 32768, 512)
     assert small == large, (small, large)
 
     def padded_temp(T):
