@@ -132,7 +132,6 @@ class _State:
         # id(handle) -> how many granule indices map it: a handle shared by several mappings
         # (VmmArena.share) returns to the pool only when its last mapping goes.
         self.refs: dict[int, int] = {}
-        self.held_by_quarantine: set[int] = set()  # id(handle) of handles a failed unmap holds
         self.zero_handle: Any = None  # the shared zeroed granule, mapped read-only
         self.zero_mapped: set[int] = set()  # granule indices mapped to zero_handle
         self.quarantined: dict[int, Any] = {}  # granule index -> handle whose unmap failed
@@ -186,7 +185,6 @@ class _State:
             self.counts["release"] += attempt(d.release, handle)
         self.mapped.clear()
         self.refs.clear()
-        self.held_by_quarantine.clear()
         self.pool.clear()
         self.zero_mapped.clear()
         self.quarantined.clear()
@@ -752,7 +750,6 @@ class VmmArena:
             d.unmap(va, g)
         except ArenaError:
             s.quarantined[index] = fresh
-            s.held_by_quarantine.add(id(fresh))
             del s.mapped[index]
             self._count_granule(index, -1)
             self._drop_ref(handle)
@@ -960,11 +957,10 @@ class VmmArena:
                     d.unmap(s.base + index * g, g)
                 except ArenaError:
                     s.quarantined[index] = handle  # may still be mapped: never handed out
-                    s.held_by_quarantine.add(id(handle))
                     continue
                 self._counts["unmap"] += 1
                 unmapped.append(index)
-                if not last or id(handle) in s.held_by_quarantine:
+                if not last or any(h is handle for h in s.quarantined.values()):
                     continue  # another mapping (or a failed unmap) still holds the handle
                 if len(s.pool) * g < self.pool_target:
                     s.pool.append(handle)
