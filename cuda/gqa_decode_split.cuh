@@ -56,7 +56,8 @@ struct DecodeCta {
 };
 
 // Starts a CTA: status for its b (from exactly one CTA per b, so status needs no memset), NaN
-// rows for a bad length (cache untouched, no counter touched), the split plan, and the fused
+// rows for a bad length and zero rows for an idle b (row_idle; either way cache and counters
+// untouched), the split plan, and the fused
 // append of the new K/V at slot L (split 0 of head chunk 0; no CTA of this launch reads slot L
 // from the cache: the owner reads k/v instead). Returns false when the CTA has nothing to do.
 template <typename T, int HEAD_DIM, int GROUP, int THREADS>
@@ -73,15 +74,16 @@ __device__ __forceinline__ bool BeginDecodeCta(const GqaParams<T>& p, int num_sp
   c.ng = min(GROUP, group - g0);
   c.qh0 = c.hkv * group + g0;
   c.L = p.lengths[c.b];
-  const bool bad = c.L < 0 || c.L >= writable_capacity(p, c.b);
+  const bool idle = row_idle(p, c.b);
+  const bool bad = !idle && (c.L < 0 || c.L >= writable_capacity(p, c.b));
   if (c.split == 0 && blockIdx.y == 0 && tid == 0) {
     p.status[c.b] = bad ? JKV_STATUS_LENGTH_OUT_OF_RANGE : JKV_STATUS_OK;
   }
-  if (bad) {
+  if (bad || idle) {  // out rows NaN (refused) or zero (idle); the cache is not touched
     if (c.split == 0) {
       T* out_rows = p.out + (static_cast<int64_t>(c.b) * p.num_q_heads + c.qh0) * HEAD_DIM;
-      for (int i = tid; i < c.ng * HEAD_DIM; i += THREADS)
-        out_rows[i] = from_f32<T>(__int_as_float(0x7fc00000));
+      const T fill = from_f32<T>(bad ? __int_as_float(0x7fc00000) : 0.0f);
+      for (int i = tid; i < c.ng * HEAD_DIM; i += THREADS) out_rows[i] = fill;
     }
     return false;
   }

@@ -66,6 +66,16 @@ JKV_HOST_DEVICE int32_t writable_capacity(const GqaParams<T>& p, int64_t b) {
   return c < p.capacity ? c : p.capacity;
 }
 
+// Whether sequence b is idle in this call: committed[b] == 0 (no memory behind its row: an
+// engine's free slot). An idle row is not read or written and costs no attention work, whatever
+// new tokens or lengths the call gives it; its output rows are zeros and its status is OK. So a
+// step compiled for every slot of a cache serves any set of live requests, with no NaN in the
+// free rows. (A row with memory committed and too little of it still latches status 1.)
+template <typename T>
+JKV_HOST_DEVICE bool row_idle(const GqaParams<T>& p, int64_t b) {
+  return p.committed != nullptr && p.committed[b] == 0;
+}
+
 // Status codes a kernel latches into `status[b]` instead of touching memory past S.
 enum : int32_t {
   JKV_STATUS_OK = 0,
@@ -133,6 +143,11 @@ JKV_HOST_DEVICE PrefillRows prefill_rows(const GqaParams<T>& p, int64_t b, bool 
   // A refused sequence's padding rows stay zero in the packed form (other sequences' rows
   // follow them); in the padded form all T rows are NaN, as before the packed form existed.
   r.nan_rows = p.cu_seqlens ? r.n_new : r.out_rows;
+  if (row_idle(p, b)) {
+    r.n_new = 0;
+    r.status = JKV_STATUS_OK;
+    return r;
+  }
   const int64_t L = p.lengths[b];
   if (r.n_new < 0 || r.n_new > p.num_tokens) {
     r.status = JKV_STATUS_NEW_LENGTH_OUT_OF_RANGE;

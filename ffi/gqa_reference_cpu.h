@@ -54,7 +54,7 @@ void RunGqaReferenceCpu(const GqaParams<T>& p) {
     const PrefillRows& r = rows[b];
     const bool ok = r.status == JKV_STATUS_OK;
     const int64_t L = p.lengths[b], n = ok ? r.n_new : 0;
-    std::vector<float> qf(D), acc(D), scores(static_cast<size_t>(ok ? L + n : 0));
+    std::vector<float> qf(D), acc(D), scores(static_cast<size_t>(n > 0 ? L + n : 0));
     for (int64_t t = 0; t < r.out_rows; ++t) {
       for (int64_t g = 0; g < group; ++g) {
         const int64_t qh = h * group + g;

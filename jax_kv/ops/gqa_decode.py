@@ -45,6 +45,9 @@ def gqa_decode(
         committed: int32 [B], positions of each sequence backed by committed memory (default
             S). Pass it while a step compiled for a VMM view reserved at max_len is kept
             across growth: writes are bounded by it, not by the array's shape.
+            committed[b] == 0 marks row b idle (an engine's free slot): it is neither read
+            nor written and costs no attention work, whatever lengths[b] holds; its output
+            is zeros and its status 0. One compiled step so serves any set of live rows.
         return_status: also return the int32 [B] status (0 = ok). Lengths known only on the
             device are checked there: a row with lengths[b] >= min(S, committed[b]) latches
             status 1, its output is NaN and its cache untouched (CPU and CUDA alike); the
@@ -75,7 +78,8 @@ def gqa_decode(
     known = _common.check_lengths("lengths", lengths, B)
     committed, bound = _common.committed_or_capacity(committed, B, S)
     if known is not None:
-        bad = [(b, int(x)) for b, x in enumerate(known) if not 0 <= x < bound[b]]
+        # bound 0: committed[b] == 0, an idle row, whatever its length
+        bad = [(b, int(x)) for b, x in enumerate(known) if bound[b] and not 0 <= x < bound[b]]
         if bad:
             b, x = bad[0]
             raise ValueError(

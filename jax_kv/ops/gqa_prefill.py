@@ -47,7 +47,8 @@ def gqa_prefill(
         new_lengths: int32 [B], tokens of this call per sequence, 0 <= new_lengths <= T
             (default T); lengths + new_lengths <= S.
         layout, scale, softcap, window, committed, return_status: as in gqa_decode
-            (here lengths[b] + new_lengths[b] <= min(S, committed[b])).
+            (here lengths[b] + new_lengths[b] <= min(S, committed[b]); an idle row,
+            committed[b] == 0, is skipped whatever new tokens it is given: zeros out).
         _kernel: a test and benchmark hook, not API: "auto" (the wgmma kernel for bf16/f16 at
             D 64 and 128 on a compute-capability 9.0 GPU, mma.sync otherwise) or "mma"
             (mma.sync always). An attribute of the compiled call; the CPU handler ignores it.
@@ -180,7 +181,7 @@ def _check_room(
         return
     for b, x in enumerate(known):
         n = int(new_tokens[b])
-        if not (0 <= x and x + n <= bound[b]):
+        if bound[b] > 0 and not (0 <= x and x + n <= bound[b]):  # bound 0: an idle row
             limit = f"capacity S={capacity}" + (
                 f" and committed[b]={int(bound[b])}" if bound[b] < capacity else ""
             )
