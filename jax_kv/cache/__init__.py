@@ -2,7 +2,8 @@
 
 capacity.py plans capacities (hard max, VMM reservation, buckets); events.py holds
 GrowthEvent and its reasons; growth.py holds the three strategies below, one chosen when
-a cache is built; kv_cache.py holds KvCache, the protocol they share.
+a cache is built; kv_cache.py holds KvCache, the protocol they share. slots.py holds
+SlotCache, the engine's cache: one slot per request, memory committed and returned per slot.
 
 Three growth paths (DESIGN.md, Layout and Memory):
 
@@ -39,6 +40,7 @@ from jax_kv.cache.growth import (
     SeqMajorVmmGrowth,
 )
 from jax_kv.cache.kv_cache import CacheClosedError, KvCache
+from jax_kv.cache.slots import SlotCache
 
 __all__ = [
     "INT32_MAX",
@@ -56,6 +58,7 @@ __all__ = [
     "HeadMajorVmmGrowth",
     "KvCache",
     "SeqMajorVmmGrowth",
+    "SlotCache",
     "bucket_for",
     "resolve_capacity",
 ]

@@ -937,45 +937,79 @@ class VmmArena:
         with self._lock:
             if not self._pending or self._state.closed:
                 return 0
-            g, d = self.granule, self._state.driver
+            g = self.granule
             covered = {
                 i for s, e in self._views.values() for i in range(s // g, -(-e // g))
             } & self._pending
             todo = sorted(self._pending - covered)
             if not todo:
                 return 0
-            d.make_current()
-            d.synchronize()
-            s = self._state
-            unmapped: list[int] = []
-            for index in todo:
-                handle = s.mapped.pop(index)
-                self._pending.discard(index)
-                self._count_granule(index, -1)
-                last = self._drop_ref(handle)
-                try:
-                    d.unmap(s.base + index * g, g)
-                except ArenaError:
-                    s.quarantined[index] = handle  # may still be mapped: never handed out
-                    continue
-                self._counts["unmap"] += 1
-                unmapped.append(index)
-                if not last or any(h is handle for h in s.quarantined.values()):
-                    continue  # another mapping (or a failed unmap) still holds the handle
-                if len(s.pool) * g < self.pool_target:
-                    s.pool.append(handle)
-                else:
-                    try:
-                        d.release(handle)
-                        self._counts["release"] += 1
-                    except ArenaError:
-                        s.unreleased.append(handle)  # unmapped: never handed out again
-            live = [i for i in unmapped if (r := self._region_of(i)) is not None and not r.closing]
-            try:
-                self._map_zero(live)
-            except ArenaError:
-                pass  # counted by stats().unbacked_bytes
+            self._unmap_granules(todo)
             return len(todo) * g
+
+    def decommit_now(self, ranges: Iterable[tuple[Region, int, int]]) -> int:
+        """Unmaps the granules of each granule-aligned [start, end) of a region now, even
+        under a live view (flush() leaves those alone); returns the bytes unmapped.
+
+        For memory that stays viewed for its owner's life: an engine's slot, released when
+        its request ends. Safe because the device is synchronized first (no in-flight work
+        still reads the granules) and each granule is mapped back to the read-only zero
+        granule in the same locked section: a live view reads zeros where it read the data,
+        and a write there would fault, so kernels must bound writes by the committed tokens.
+        """
+        g = self.granule
+        indices: set[int] = set()
+        for region, start, end in ranges:
+            if not 0 <= start <= end <= region.reserved_bytes or start % g or end % g:
+                raise ArenaError(
+                    f"decommit_now: range [{start}, {end}) must be granule-aligned ({g} bytes) "
+                    f"and inside the region's {region.reserved_bytes} reserved bytes"
+                )
+            indices.update(range((region.offset + start) // g, (region.offset + end) // g))
+        with self._lock:
+            self._check_open()
+            todo = sorted(i for i in indices if i in self._state.mapped)
+            self._pending.difference_update(todo)
+            if todo:
+                self._unmap_granules(todo)
+            return len(todo) * g
+
+    def _unmap_granules(self, todo: list[int]) -> None:
+        """Unmaps mapped granules (sorted indices) after a device synchronize, pools or
+        releases their handles and maps the zero granule back where a live region has them.
+        Called with the lock held."""
+        g, d = self.granule, self._state.driver
+        d.make_current()
+        d.synchronize()
+        s = self._state
+        unmapped: list[int] = []
+        for index in todo:
+            handle = s.mapped.pop(index)
+            self._pending.discard(index)
+            self._count_granule(index, -1)
+            last = self._drop_ref(handle)
+            try:
+                d.unmap(s.base + index * g, g)
+            except ArenaError:
+                s.quarantined[index] = handle  # may still be mapped: never handed out
+                continue
+            self._counts["unmap"] += 1
+            unmapped.append(index)
+            if not last or any(h is handle for h in s.quarantined.values()):
+                continue  # another mapping (or a failed unmap) still holds the handle
+            if len(s.pool) * g < self.pool_target:
+                s.pool.append(handle)
+            else:
+                try:
+                    d.release(handle)
+                    self._counts["release"] += 1
+                except ArenaError:
+                    s.unreleased.append(handle)  # unmapped: never handed out again
+        live = [i for i in unmapped if (r := self._region_of(i)) is not None and not r.closing]
+        try:
+            self._map_zero(live)
+        except ArenaError:
+            pass  # counted by stats().unbacked_bytes
 
     # -- views ---------------------------------------------------------------------------------
 

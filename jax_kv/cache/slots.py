@@ -1,0 +1,328 @@
+"""SlotCache: an engine's KV cache, one slot per live request, memory per slot.
+
+A slot is row b of every layer's seq-major K and V array [B, S, Hkv, D]: for each of the 2L
+bindings one contiguous range of S tokens (S >= max_len). A request takes a free slot,
+`ensure_slot(b, n)` commits the granules its first n tokens need, `release_slot(b)` returns
+them when it ends. The arrays keep their shape and (on VMM) their pointers for the cache's
+life, so one compiled step serves every set of requests.
+
+The write bound the ops take (`committed`, int32 [B]) is each slot's committed tokens; 0 marks
+a free slot, which the attention ops neither read nor write (`row_idle`, cuda/gqa_params.h).
+
+Memory, by arena:
+- VmmArena: each slot's range is whole granules (S rounded up so a slot starts and ends on a
+  granule), so a slot's granules are its own. `ensure_slot` commits them (all or nothing),
+  `release_slot` unmaps them at once under the live views (`VmmArena.decommit_now`: device
+  synchronized first, the read-only zero granule mapped back). `committed_bytes` is physical.
+- EagerArena: the arrays are dense XLA buffers for all slots at S, allocated up front. The
+  slots' granules are counted the same way (blocks of `granule_bytes`, default 2 MiB) against a
+  budget, so the engine's admission and preemption behave as on VMM, but `committed_bytes`
+  (physical) stays the dense size: only VMM returns memory.
+
+`held_bytes` (the slots' granules, all bindings) is what admission counts on both; on VMM it
+equals `committed_bytes`. Invariant: held_bytes <= live bytes + one granule per (binding,
+slot in use).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kv.cache.capacity import CapacityError
+from jax_kv.layout import Layout
+from jax_kv.memory import ArenaError, ArenaExhausted, EagerArena, Region, VmmArena
+
+DEFAULT_GRANULE_BYTES = 2 << 20  # the eager path's accounting block: the H200's VMM granule
+
+
+class SlotCache:
+    """Per-layer K and V arrays [B, S, Hkv, D] (seq-major) whose rows are request slots.
+
+    Args:
+        num_layers, num_slots, num_kv_heads, head_dim, dtype: the geometry (L, B, Hkv, D).
+        max_len: the most tokens one slot holds (prompt and generated).
+        arena: a VmmArena (memory follows the slots) or an EagerArena (dense buffers; the
+            default where no VMM arena is given).
+        granule_bytes: the eager path's accounting block per binding (ignored on VMM, where
+            it is the arena's granule).
+        budget_bytes: the most bytes the slots may hold together (all bindings); default:
+            on VMM what the arena can commit, on the eager path every slot at max_len.
+    """
+
+    layout = Layout.SEQ_MAJOR
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: Any,
+        max_len: int,
+        arena: Any = None,
+        granule_bytes: int | None = None,
+        budget_bytes: int | None = None,
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_slots", num_slots),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("max_len", max_len),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        self.num_layers, self.num_slots = int(num_layers), int(num_slots)
+        self.num_kv_heads, self.head_dim = int(num_kv_heads), int(head_dim)
+        self.dtype = jnp.dtype(dtype)
+        self.max_len = int(max_len)
+        self.token_bytes = self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        self.arena = EagerArena() if arena is None else arena
+        self.is_vmm = isinstance(self.arena, VmmArena)
+        if self.is_vmm:
+            self.granule = int(self.arena.granule)
+        else:
+            self.granule = DEFAULT_GRANULE_BYTES if granule_bytes is None else int(granule_bytes)
+            if self.granule < self.token_bytes or self.granule % self.token_bytes:
+                raise ValueError(
+                    f"granule_bytes: expected a multiple of one token's bytes "
+                    f"({self.token_bytes}), got {granule_bytes!r}"
+                )
+        # A slot spans whole granules and whole tokens: S * token_bytes is a multiple of both.
+        step = math.lcm(self.granule, self.token_bytes)
+        self.slot_bytes = -(-self.max_len * self.token_bytes // step) * step  # per binding
+        self.slot_tokens = self.slot_bytes // self.token_bytes  # S of the arrays
+        self.bindings = 2 * self.num_layers
+        self.closed = False
+        self.lengths = np.zeros((self.num_slots,), np.int32)  # live tokens per slot
+        self.granules = np.zeros((self.num_slots,), np.int64)  # per binding, per slot
+        self.regions: list[Region] = []
+        self._control: Region | None = None
+        self.k: list[jax.Array] = []
+        self.v: list[jax.Array] = []
+        self.committed: jax.Array | None = None
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        dense = self.bindings * self.num_slots * self.slot_bytes
+        if budget_bytes is None:
+            self.budget_bytes = None if self.is_vmm else dense
+        else:
+            if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
+                raise ValueError(f"budget_bytes: expected an int or None, got {budget_bytes!r}")
+            self.budget_bytes = int(budget_bytes)
+
+    # -- construction and teardown -------------------------------------------------------------
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self.layout.cache_shape(
+            self.num_slots, self.slot_tokens, self.num_kv_heads, self.head_dim
+        )
+
+    def _start(self) -> None:
+        if self.is_vmm:
+            arena = self.arena
+            for _ in range(self.bindings):
+                self.regions.append(arena.allocate(self.num_slots * self.slot_bytes))
+            self._control = arena.allocate(self.num_slots * 4)
+            self._control.commit(self.num_slots * 4)
+            arena.write(self._control.ptr, np.zeros((self.num_slots,), np.int32).tobytes())
+            # Its address (held by a recorded CUDA graph) never changes: the host rewrites it.
+            self.committed = self._control.export((self.num_slots,), jnp.int32)
+            arrays = [r.export(self.shape, self.dtype) for r in self.regions]
+        else:
+            arrays = [self.arena.zeros(self.shape, self.dtype) for _ in range(self.bindings)]
+            self.committed = jnp.zeros((self.num_slots,), jnp.int32)
+        self.k, self.v = arrays[: self.num_layers], arrays[self.num_layers :]
+
+    def close(self) -> None:
+        """Drops the arrays and frees the memory. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        arrays = [*self.k, *self.v]
+        if self.committed is not None:
+            arrays.append(self.committed)
+        self.k, self.v, self.committed = [], [], None
+        for a in arrays:
+            if not a.is_deleted():
+                a.block_until_ready()
+                if not self.is_vmm and a.ndim == 4:
+                    self.arena.release(a)  # the EagerArena tracks (and deletes) its buffers
+                else:
+                    a.delete()
+        arrays.clear()
+        if self.is_vmm:
+            regions = [*self.regions, *([self._control] if self._control else [])]
+            self.arena.wait_unviewed(regions)
+            for r in regions:
+                r.free()
+            self.regions, self._control = [], None
+
+    def __enter__(self) -> SlotCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise ArenaError(f"{what}: this SlotCache is closed")
+
+    def _check_slot(self, what: str, b: Any) -> int:
+        if isinstance(b, bool) or not isinstance(b, int | np.integer):
+            raise ValueError(f"{what}: slot expected an int, got {b!r}")
+        if not 0 <= b < self.num_slots:
+            raise ValueError(f"{what}: slot expected in [0, {self.num_slots}), got {b}")
+        return int(b)
+
+    # -- accounting ----------------------------------------------------------------------------
+
+    def granules_for(self, tokens: int) -> int:
+        """Granules per binding a slot of `tokens` tokens needs."""
+        return -(-int(tokens) * self.token_bytes // self.granule)
+
+    def bytes_for(self, tokens: int) -> int:
+        """Bytes (all bindings) a slot of `tokens` tokens holds."""
+        return self.bindings * self.granules_for(tokens) * self.granule
+
+    def committed_tokens(self) -> np.ndarray:
+        """int32 [B]: the tokens of each slot backed by its granules (0: a free slot)."""
+        backed = self.granules * self.granule // self.token_bytes
+        return np.minimum(backed, self.slot_tokens).astype(np.int32)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the slots' granules take, all bindings: what admission counts."""
+        return int(self.granules.sum()) * self.bindings * self.granule
+
+    @property
+    def committed_bytes(self) -> int:
+        """Physical KV bytes: the regions' granules on VMM, the dense buffers otherwise."""
+        if self.is_vmm:
+            return sum(r.committed_bytes for r in self.regions)
+        return sum(a.nbytes for a in (*self.k, *self.v))
+
+    @property
+    def live_bytes(self) -> int:
+        return int(self.lengths.astype(np.int64).sum()) * self.token_bytes * self.bindings
+
+    def available_bytes(self) -> int:
+        """Bytes more the slots may take now: the budget's rest, and on VMM what the arena can
+        still commit."""
+        room = [] if self.budget_bytes is None else [self.budget_bytes - self.held_bytes]
+        if self.is_vmm:
+            room.append(int(self.arena.available_bytes()))
+        return max(0, min(room))
+
+    def floor_bytes(self, slots_in_use: int) -> int:
+        """The waste the invariant allows: one granule per (binding, slot in use)."""
+        return self.bindings * self.granule * int(slots_in_use)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(
+            arena="vmm" if self.is_vmm else "eager",
+            num_slots=self.num_slots,
+            max_len=self.max_len,
+            slot_tokens=self.slot_tokens,
+            granule=self.granule,
+            held_bytes=self.held_bytes,
+            committed_bytes=self.committed_bytes,
+            live_bytes=self.live_bytes,
+            budget_bytes=self.budget_bytes,
+        )
+
+    # -- slots ---------------------------------------------------------------------------------
+
+    def ensure_slot(self, b: int, tokens: int) -> int:
+        """Commits what slot b needs to hold `tokens` tokens; returns the granules it
+        committed per binding (0: it had them).
+
+        Raises:
+            CapacityError: tokens > max_len.
+            ArenaExhausted: the budget or the arena cannot give the granules; nothing changed.
+        """
+        self._check_open("ensure_slot")
+        b = self._check_slot("ensure_slot", b)
+        if not 0 <= tokens <= self.max_len:
+            raise CapacityError(
+                f"ensure_slot: {tokens} tokens outside [0, max_len={self.max_len}] (slot {b})"
+            )
+        need = self.granules_for(tokens)
+        have = int(self.granules[b])
+        if need <= have:
+            return 0
+        extra = (need - have) * self.granule * self.bindings
+        if extra > self.available_bytes():
+            raise ArenaExhausted(
+                f"ensure_slot: slot {b} needs {extra} more bytes for {tokens} tokens; the slots "
+                f"hold {self.held_bytes} bytes and {self.available_bytes()} more are available"
+            )
+        if self.is_vmm:
+            base = b * self.slot_bytes
+            self.arena.commit(
+                [(r, base + have * self.granule, base + need * self.granule) for r in self.regions]
+            )
+        self.granules[b] = need
+        self._write_committed()
+        return need - have
+
+    def release_slot(self, b: int) -> int:
+        """Returns slot b's granules (its data reads as zeros after); returns the bytes freed.
+        No step may be in flight that writes slot b (on VMM the device is synchronized)."""
+        self._check_open("release_slot")
+        b = self._check_slot("release_slot", b)
+        held = int(self.granules[b])
+        self.lengths[b] = 0
+        if held == 0:
+            return 0
+        self.granules[b] = 0
+        self._write_committed()  # the bound first: no later step may write the slot
+        if self.is_vmm:
+            base = b * self.slot_bytes
+            self.arena.decommit_now([(r, base, base + held * self.granule) for r in self.regions])
+        return held * self.granule * self.bindings
+
+    def _write_committed(self) -> None:
+        values = np.ascontiguousarray(self.committed_tokens(), np.int32)
+        if self._control is not None:
+            self.arena.write(self._control.ptr, values.tobytes())
+        else:
+            self.committed = jnp.asarray(values)
+
+    # -- the step protocol ---------------------------------------------------------------------
+
+    def accept(self, k: list[jax.Array], v: list[jax.Array], *, verify: bool = True) -> None:
+        """Takes a step's output caches (the inputs were donated). On VMM they must be the
+        arena's memory (a moved pointer: the cache was not donated)."""
+        self._check_open("accept")
+        if verify:
+            if len(k) != self.num_layers or len(v) != self.num_layers:
+                raise ValueError(
+                    f"accept: expected {self.num_layers} K and V arrays, got {len(k)}, {len(v)}"
+                )
+            for i, a in enumerate((*k, *v)):
+                if tuple(a.shape) != self.shape or a.dtype != self.dtype:
+                    raise ValueError(
+                        f"accept: array {i} expected {self.dtype.name} {list(self.shape)}, got "
+                        f"{a.dtype} {list(a.shape)}"
+                    )
+                if self.is_vmm and a.unsafe_buffer_pointer() != self.regions[i].ptr:
+                    a.block_until_ready()  # a failed step's error is the cause: raised here
+                    raise ArenaError(
+                        f"accept: output cache {i} moved from {self.regions[i].ptr:#x}: donate "
+                        f"the cache arrays to the step so XLA updates them in place"
+                    )
+        self.k, self.v = list(k), list(v)
+
+
+__all__ = ["DEFAULT_GRANULE_BYTES", "SlotCache"]

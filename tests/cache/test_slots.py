@@ -1,0 +1,160 @@
+"""SlotCache (issue 21, item 2): memory per request slot. On the host driver (CI) and the CUDA
+driver (H200): a slot's granules are its own, committed by ensure_slot (all or nothing) and
+returned by release_slot under the live views (the slot then reads zeros, the other slots keep
+their data), committed bytes follow the slots and never exceed live bytes plus one granule
+per (binding, slot in use). The eager path counts the same granules against a budget."""
+
+import gc
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_kv.cache import CapacityError, SlotCache
+from jax_kv.memory import ArenaExhausted, host_arena
+
+L, B, D = 2, 4, 64
+
+
+def arenas():
+    return [
+        pytest.param("host", id="host"),
+        pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
+        pytest.param("eager", id="eager"),
+    ]
+
+
+@pytest.fixture(params=arenas())
+def arena(request):
+    if request.param == "eager":
+        yield None
+        return
+    if request.param == "host":
+        a = host_arena(reserve_bytes=1 << 30, granule=64 << 10)
+    else:
+        from jax_kv.memory import VmmArena
+
+        a = VmmArena(pool_bytes=0)
+    yield a
+    gc.collect()
+    if not a.closed:
+        a.close()
+
+
+def make(arena, *, hkv=2, max_len=1000, dtype=jnp.float32, **kw):
+    granule = None if arena is not None else 16 * hkv * D * jnp.dtype(dtype).itemsize
+    return SlotCache(
+        num_layers=L, num_slots=B, num_kv_heads=hkv, head_dim=D, dtype=dtype, max_len=max_len,
+        arena=arena, granule_bytes=granule, **kw,
+    )  # fmt: skip
+
+
+def write_token_rows(cache, b, n, value):
+    """Writes `value` into the first n tokens of slot b of every binding (host bytes)."""
+    row = np.full((n * cache.token_bytes // 4,), value, np.float32).tobytes()
+    for r in cache.regions:
+        cache.arena.write(r.ptr + b * cache.slot_bytes, row)
+
+
+def test_geometry_slots_are_whole_granules_and_tokens(arena):
+    # Hkv=3: a token is 768 bytes, which does not divide a 64 KiB (or 2 MiB) granule.
+    with make(arena, hkv=3) as cache:
+        assert cache.slot_bytes % cache.granule == 0
+        assert cache.slot_bytes % cache.token_bytes == 0
+        assert cache.slot_tokens >= cache.max_len
+        assert cache.slot_bytes - cache.max_len * cache.token_bytes < np.lcm(
+            cache.granule, cache.token_bytes
+        )
+        assert cache.k[0].shape == (B, cache.slot_tokens, 3, D)
+        assert np.asarray(cache.committed).tolist() == [0] * B
+        assert cache.held_bytes == 0
+        if cache.is_vmm:
+            assert cache.committed_bytes == 0
+
+
+def test_ensure_and_release_follow_the_slot(arena):
+    with make(arena) as cache:
+        g_tokens = cache.granule // cache.token_bytes
+        n0 = cache.ensure_slot(0, 1)
+        assert n0 == 1 and cache.granules_for(1) == 1
+        assert cache.ensure_slot(0, g_tokens) == 0  # still one granule
+        assert cache.ensure_slot(0, g_tokens + 1) == 1
+        assert cache.ensure_slot(2, 3 * g_tokens) == 3
+        assert np.asarray(cache.committed).tolist() == [2 * g_tokens, 0, 3 * g_tokens, 0]
+        assert cache.held_bytes == 5 * cache.bindings * cache.granule
+        if cache.is_vmm:
+            assert cache.committed_bytes == cache.held_bytes
+            write_token_rows(cache, 0, 2 * g_tokens, 1.0)
+            write_token_rows(cache, 2, 3 * g_tokens, 2.0)
+            k0 = np.array(cache.k[0])  # a copy: a zero-copy numpy view would hold the arena view
+            assert (k0[0, : 2 * g_tokens] == 1).all() and (k0[2, : 3 * g_tokens] == 2).all()
+            assert (k0[0, 2 * g_tokens :] == 0).all()  # the tail: the zero granule
+        before = cache.held_bytes
+        freed = cache.release_slot(0)
+        assert freed == 2 * cache.bindings * cache.granule
+        assert cache.held_bytes == before - freed
+        assert np.asarray(cache.committed).tolist() == [0, 0, 3 * g_tokens, 0]
+        assert cache.release_slot(0) == 0  # idempotent
+        if cache.is_vmm:
+            assert cache.committed_bytes == cache.held_bytes
+            for a in (*cache.k, *cache.v):  # the live views: slot 0 zeros, slot 2 intact
+                host = np.array(a)
+                assert (host[0] == 0).all()
+                assert (host[2, : 3 * g_tokens] == 2).all()
+            # A released slot's granules come back as fresh zeros when committed again.
+            cache.ensure_slot(0, 1)
+            assert (np.array(cache.k[1])[0] == 0).all()
+        else:
+            assert cache.committed_bytes == 2 * L * B * cache.slot_bytes  # dense, always
+
+
+def test_refusals_leave_the_cache_as_it_was(arena):
+    with make(arena, budget_bytes=None if arena is None else None) as cache:
+        cache.ensure_slot(1, 5)
+        state = (cache.granules.copy(), np.asarray(cache.committed).copy(), cache.held_bytes)
+        with pytest.raises(CapacityError, match=r"1001 tokens outside \[0, max_len=1000\]"):
+            cache.ensure_slot(1, 1001)
+        with pytest.raises(ValueError, match=r"slot expected in \[0, 4\), got 4"):
+            cache.ensure_slot(4, 1)
+        with pytest.raises(ValueError, match=r"slot expected an int, got True"):
+            cache.release_slot(True)
+        assert (cache.granules == state[0]).all()
+        assert (np.asarray(cache.committed) == state[1]).all() and cache.held_bytes == state[2]
+
+
+def test_budget_refuses_all_or_nothing(arena):
+    with make(arena) as probe:
+        per_granule = probe.bindings * probe.granule
+        g_tokens = probe.granule // probe.token_bytes
+    with make(arena, budget_bytes=3 * per_granule) as cache:
+        cache.ensure_slot(0, 2 * g_tokens)
+        assert cache.available_bytes() <= per_granule
+        with pytest.raises(ArenaExhausted, match=r"slot 3 needs .* more bytes for .* tokens"):
+            cache.ensure_slot(3, 2 * g_tokens)
+        assert cache.granules.tolist() == [2, 0, 0, 0]
+        assert np.asarray(cache.committed).tolist()[3] == 0
+        if cache.is_vmm:
+            assert cache.committed_bytes == 2 * per_granule
+        cache.release_slot(0)
+        cache.ensure_slot(3, 2 * g_tokens)  # the memory came back
+        assert cache.granules.tolist() == [0, 0, 0, 2]
+
+
+def test_invariant_over_a_random_schedule(arena):
+    rng = np.random.default_rng(0)
+    with make(arena, max_len=700) as cache:
+        in_use = set()
+        for _ in range(200):
+            b = int(rng.integers(B))
+            if b in in_use and rng.random() < 0.3:
+                cache.release_slot(b)
+                in_use.discard(b)
+            else:
+                n = min(cache.max_len, int(cache.lengths[b]) + int(rng.integers(1, 80)))
+                cache.ensure_slot(b, n)
+                cache.lengths[b] = n - 1  # the engine commits one token ahead of the live ones
+                in_use.add(b)
+            assert cache.held_bytes <= cache.live_bytes + cache.floor_bytes(len(in_use))
+            assert (cache.committed_tokens() >= cache.lengths).all()
+            if cache.is_vmm:
+                assert cache.committed_bytes == cache.held_bytes
