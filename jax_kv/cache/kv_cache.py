@@ -28,7 +28,8 @@ def _module_exists(name: str) -> bool:
         return False
 
 
-def _default_arena() -> Any:
+def default_arena() -> Any:
+    """The arena JAX_KV_ARENA names (auto: a VmmArena on CUDA, else an EagerArena)."""
     choice = runtime_config().arena
     if choice == "eager":
         return EagerArena()
@@ -96,7 +97,7 @@ class KvCache:
         if self.commit_step < 1:
             raise ValueError(f"commit_ahead: expected >= 1 token, got {commit_ahead}")
         self.closed = False
-        self.arena = _default_arena() if arena is None else arena
+        self.arena = default_arena() if arena is None else arena
         self.growth: GrowthStrategy = growth_for(self.arena, self.layout)
         self.lengths = np.zeros((self.batch,), np.int32)
         self.token_bytes = self.num_kv_heads * self.head_dim * self.dtype.itemsize

@@ -34,8 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kv.cache.capacity import CapacityError
+from jax_kv.cache.kv_cache import default_arena
 from jax_kv.layout import Layout
-from jax_kv.memory import ArenaError, ArenaExhausted, EagerArena, Region, VmmArena
+from jax_kv.memory import ArenaError, ArenaExhausted, Region, VmmArena
 
 DEFAULT_GRANULE_BYTES = 2 << 20  # the eager path's accounting block: the H200's VMM granule
 
@@ -46,8 +47,8 @@ class SlotCache:
     Args:
         num_layers, num_slots, num_kv_heads, head_dim, dtype: the geometry (L, B, Hkv, D).
         max_len: the most tokens one slot holds (prompt and generated).
-        arena: a VmmArena (memory follows the slots) or an EagerArena (dense buffers; the
-            default where no VMM arena is given).
+        arena: a VmmArena (memory follows the slots) or an EagerArena (dense buffers); the
+            default is KvCache's (JAX_KV_ARENA; auto: VMM on CUDA).
         granule_bytes: the eager path's accounting block per binding (ignored on VMM, where
             it is the arena's granule).
         budget_bytes: the most bytes the slots may hold together (all bindings); default:
@@ -83,7 +84,7 @@ class SlotCache:
         self.dtype = jnp.dtype(dtype)
         self.max_len = int(max_len)
         self.token_bytes = self.num_kv_heads * self.head_dim * self.dtype.itemsize
-        self.arena = EagerArena() if arena is None else arena
+        self.arena = default_arena() if arena is None else arena
         self.is_vmm = isinstance(self.arena, VmmArena)
         if self.is_vmm:
             self.granule = int(self.arena.granule)

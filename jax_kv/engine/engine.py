@@ -1,0 +1,749 @@
+"""Engine: continuous batching on a SlotCache. Requests come and go, memory follows them, the
+compiled decode step never changes.
+
+One engine step (`step()`), in Python between jitted calls:
+1. cancelled requests end and return their slots;
+2. one packed prefill call of at most `prefill_chunk_tokens` real tokens on one token axis
+   (padded to a power-of-two bucket: one compile per bucket): the next piece of every
+   prefilling slot in admission order, then, while room is left, queued requests admitted
+   FIFO into free slots when the memory of their first piece can be committed (admission
+   never preempts a running request, and no slot holds memory for tokens not in this call);
+   a slot whose prompt ends samples its first token;
+3. one decode step over all `max_slots` rows at one fixed shape (compiled once): each decoding
+   slot's memory for the token it writes is committed first; where it cannot be, the youngest
+   slot holder is preempted (its granules released, its tokens kept, re-prefilled later);
+   a free slot has committed 0, which the attention ops read as idle (no reads, no writes);
+4. tokens reach the requests (streamed), finished requests return their slots.
+
+So a long prompt delays the running requests' next token by one chunk at most.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kv.cache import SlotCache, bucket_for
+from jax_kv.decode.generator import STATUS_CAUSES, StepStatusError
+from jax_kv.decode.protocol import DecoderModel
+from jax_kv.decode.sampling import GREEDY, Sampling, sample_rows
+from jax_kv.engine.request import (
+    FINISH_CANCELLED,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Completion,
+    Delta,
+    Request,
+    TextStream,
+)
+from jax_kv.layout import Layout
+from jax_kv.memory import ArenaExhausted
+
+PREFILL_MIN_TOKENS = 16  # the smallest prefill bucket
+DEFAULT_MAX_LEN = 4096  # when neither the caller nor the model bounds a sequence lower
+
+
+class EngineError(RuntimeError):
+    """The engine cannot take a request: it is shut down, or it failed."""
+
+
+class QueueFull(EngineError):
+    """submit() while `max_queue` requests wait."""
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters since the engine started (deterministic, except the seconds)."""
+
+    steps: int = 0
+    decode_calls: int = 0
+    prefill_calls: int = 0
+    decode_compiles: int = 0  # 1 for the engine's life: the step has one shape
+    prefill_compiles: int = 0  # one per prefill bucket used
+    prefill_buckets: list[int] = dataclasses.field(default_factory=list)
+    prefill_tokens: int = 0  # real tokens prefilled (re-prefills included)
+    prefill_tokens_computed: int = 0  # bucket positions computed
+    decode_tokens: int = 0  # tokens the decode steps generated for live requests
+    submitted: int = 0
+    finished: dict[str, int] = dataclasses.field(default_factory=dict)  # per finish reason
+    preemptions: int = 0
+    peak_held_bytes: int = 0
+    peak_live_bytes: int = 0
+    host_seconds: float = 0.0  # step time outside the jitted calls' device work
+    step_seconds: float = 0.0
+
+
+@dataclasses.dataclass(eq=False)
+class _Seq:
+    """The engine's state of one request."""
+
+    request: Request
+    prompt: list[int]
+    max_new: int
+    sampling: Sampling
+    stop_ids: frozenset[int]
+    text: TextStream | None
+    generated: list[int] = dataclasses.field(default_factory=list)
+    slot: int | None = None
+    cached: int = 0  # tokens of prompt + generated in the slot's cache
+    admitted: int = -1  # admission order: the largest is the youngest
+    preemptions: int = 0
+
+    @property
+    def context_len(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens the slot must hold before decoding: the prompt, or after a preemption all
+        but the last generated token (the decode step's next input)."""
+        return len(self.prompt) if not self.generated else self.context_len - 1
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt)
+        return self.prompt[i] if i < n else self.generated[i - n]
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
+    """One key per row from its request's seed and the position of the token it samples:
+    a request's tokens do not depend on which slot or step it ran in."""
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
+
+
+class Engine:
+    """Continuous batching over one SlotCache of `max_slots` rows reserved at `max_len`.
+
+    Args:
+        model: a DecoderModel (jax_kv.models.Model).
+        max_slots: requests decoded together (the decode step's fixed batch).
+        max_len: the most tokens (prompt + generated) of one request; default the model's
+            max_position_embeddings, at most 4096.
+        prefill_chunk_tokens: the most prompt tokens one prefill call computes (>= 16).
+        max_queue: requests that may wait; submit() beyond it raises QueueFull.
+        arena: a VmmArena or EagerArena (default: VMM on CUDA, eager elsewhere).
+        kv_budget_bytes: the most KV bytes the slots may hold (default: what the arena can
+            commit; on the eager path every slot at max_len).
+        granule_bytes: the eager path's accounting granule (SlotCache).
+        fuse_projections: as in Generator.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        max_slots: int = 8,
+        max_len: int | None = None,
+        prefill_chunk_tokens: int = 512,
+        max_queue: int = 1024,
+        arena: Any = None,
+        kv_budget_bytes: int | None = None,
+        granule_bytes: int | None = None,
+        fuse_projections: bool = True,
+    ) -> None:
+        if not isinstance(model, DecoderModel):
+            raise ValueError(
+                f"model: expected a jax_kv.decode.DecoderModel (a jax_kv.models.Model), got "
+                f"{type(model).__name__}"
+            )
+        self.max_slots = _check_int("max_slots", max_slots, 1)
+        self.prefill_chunk_tokens = _check_int(
+            "prefill_chunk_tokens", prefill_chunk_tokens, PREFILL_MIN_TOKENS
+        )
+        self.max_queue = _check_int("max_queue", max_queue, 1)
+        config = model.config
+        model_max = config.max_position_embeddings
+        if max_len is None:
+            max_len = DEFAULT_MAX_LEN if model_max is None else min(model_max, DEFAULT_MAX_LEN)
+        self.max_len = _check_int("max_len", max_len, 2)
+        if model_max is not None and self.max_len > model_max:
+            raise ValueError(
+                f"max_len: expected <= the model's max_position_embeddings ({model_max}), got "
+                f"{max_len}"
+            )
+        self.model = model
+        self.params = model.fused_params() if fuse_projections else model.params
+        self.cache = SlotCache(
+            num_layers=config.num_layers,
+            num_slots=self.max_slots,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=model.dtype,
+            max_len=self.max_len,
+            arena=arena,
+            granule_bytes=granule_bytes,
+            budget_bytes=kv_budget_bytes,
+        )
+        self.stats = EngineStats()
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._queue: collections.deque[_Seq] = collections.deque()  # guarded by _lock
+        self._accepting = True  # guarded by _lock
+        self._failure: BaseException | None = None
+        self._slots: list[_Seq | None] = [None] * self.max_slots  # the step's thread only
+        self._admissions = 0
+        self._traces = {"prefill": 0, "decode": 0}
+        self._prefill = jax.jit(self._prefill_fn(), donate_argnums=(3,))
+        self._decode = jax.jit(self._decode_fn(), donate_argnums=(2,))
+        # Per-slot sampling parameters, rewritten at admission.
+        B = self.max_slots
+        self._temperature = np.zeros((B,), np.float32)
+        self._top_k = np.zeros((B,), np.int32)
+        self._top_p = np.ones((B,), np.float32)
+        self._seeds = np.zeros((B,), np.uint32)
+        self._thread: threading.Thread | None = None
+        self._stop_thread = False
+        # The memory any one request may hold: the budget (or the arena) with no other slot.
+        self._capacity_bytes = self.cache.available_bytes()
+
+    # -- compiled steps -------------------------------------------------------------------
+
+    def _prefill_fn(self) -> Any:
+        model = self.model
+
+        def run(params, tokens, cu_seqlens, caches, lengths, committed, temp, top_k, top_p,
+                seeds):  # fmt: skip
+            self._traces["prefill"] += 1  # runs while tracing only
+            logits, caches, status = model.prefill_packed(
+                params, tokens, cu_seqlens, caches, lengths, layout=Layout.SEQ_MAJOR,
+                committed=committed,
+            )  # fmt: skip
+            positions = lengths + (cu_seqlens[1:] - cu_seqlens[:-1])
+            keys = _row_keys(seeds, positions)
+            return sample_rows(logits, keys, temp, top_k, top_p), caches, status
+
+        return run
+
+    def _decode_fn(self) -> Any:
+        model = self.model
+
+        def run(params, tokens, caches, lengths, committed, temp, top_k, top_p, seeds):
+            self._traces["decode"] += 1
+            logits, caches, status = model.decode_step(
+                params, tokens, caches, lengths, layout=Layout.SEQ_MAJOR, committed=committed
+            )
+            keys = _row_keys(seeds, lengths + 1)
+            return sample_rows(logits, keys, temp, top_k, top_p), caches, status
+
+        return run
+
+    # -- submit -------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 256,
+        sampling: Sampling | None = None,
+        *,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Iterable[int] | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """Queues a request; returns its handle at once. Thread-safe.
+
+        Args:
+            prompt: text (needs the model's tokenizer) or token ids.
+            max_new_tokens: the most tokens to generate; prompt + max_new_tokens must fit
+                max_len.
+            sampling: temperature, top_k, top_p, seed (greedy when omitted).
+            stop: strings that end the request (excluded from its text; needs a tokenizer).
+            stop_token_ids: ids that end it (kept as its last token); default the model's EOS.
+
+        Raises:
+            ValueError: a bad argument, or a request longer than max_len or than the memory
+                could ever hold (naming the numbers).
+            QueueFull: max_queue requests wait. EngineError: shut down or failed.
+        """
+        ids = self._encode(prompt)
+        max_new = _check_int("max_new_tokens", max_new_tokens, 1)
+        if sampling is None:
+            sampling = GREEDY
+        elif not isinstance(sampling, Sampling):
+            raise ValueError(f"sampling: expected a jax_kv.Sampling or None, got {sampling!r}")
+        total = len(ids) + max_new
+        if total > self.max_len:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens + max_new_tokens {max_new} = {total} exceeds "
+                f"max_len={self.max_len}"
+            )
+        need = self.cache.bytes_for(total - 1)  # the last token is returned, never cached
+        if need > self._capacity_bytes:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens + max_new_tokens {max_new} need {need} bytes of KV "
+                f"memory, more than the {self._capacity_bytes} bytes the engine can ever "
+                f"give one request"
+            )
+        stops = self._stop_strings(stop)
+        text = None
+        if getattr(self.model, "tokenizer", None) is not None:
+            text = TextStream(lambda t: self.model.decode(t, skip_special_tokens=True), stops)
+        elif stops:
+            raise ValueError("stop: stop strings need a tokenizer; this model has none")
+        seq = _Seq(
+            request=Request(ids, request_id),
+            prompt=ids,
+            max_new=max_new,
+            sampling=sampling,
+            stop_ids=self._stop_ids(stop_token_ids),
+            text=text,
+        )
+        with self._lock:
+            if self._failure is not None:
+                raise EngineError(f"the engine failed: {self._failure}") from self._failure
+            if not self._accepting:
+                raise EngineError("the engine is shutting down: it accepts no new requests")
+            waiting = sum(1 for s in self._queue if s.admitted < 0)  # preempted ones not counted
+            if waiting >= self.max_queue:
+                raise QueueFull(
+                    f"submit: the queue is full ({waiting} requests waiting, max_queue="
+                    f"{self.max_queue}); retry later"
+                )
+            self._queue.append(seq)
+            self.stats.submitted += 1
+            self._work.notify_all()
+        return seq.request
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = list(self.model.encode(prompt))
+        elif isinstance(prompt, Sequence | np.ndarray):
+            ids = []
+            for t in prompt:
+                if isinstance(t, bool) or not isinstance(t, int | np.integer):
+                    raise ValueError(f"prompt: expected token ids (ints), got {t!r}")
+                ids.append(int(t))
+        else:
+            raise ValueError(f"prompt: expected a string or token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt: expected at least one token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} outside [0, vocab={vocab})")
+        return ids
+
+    @staticmethod
+    def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
+        if stop is None:
+            return []
+        stops = [stop] if isinstance(stop, str) else list(stop)
+        for s in stops:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop: expected non-empty strings, got {s!r}")
+        return stops
+
+    def _stop_ids(self, stop_token_ids: Iterable[int] | None) -> frozenset[int]:
+        if stop_token_ids is None:
+            return frozenset(self.model.config.eos_token_ids)
+        vocab = self.model.config.vocab_size
+        out = set()
+        for t in stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= t < vocab:
+                raise ValueError(f"stop_token_ids: expected ids in [0, vocab={vocab}), got {t!r}")
+            out.add(int(t))
+        return frozenset(out)
+
+    # -- the scheduling step ------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        with self._lock:
+            queued = bool(self._queue)
+        return queued or any(s is not None for s in self._slots)
+
+    def step(self) -> bool:
+        """One scheduling iteration; returns whether any work remains. Call it from one
+        thread at a time (start() runs it on a background thread)."""
+        t0 = time.perf_counter()
+        device = 0.0
+        try:
+            self._end_cancelled()
+            device += self._prefill_step()
+            device += self._decode_step()
+        except BaseException as error:
+            self._fail(error)
+            raise
+        self.stats.steps += 1
+        elapsed = time.perf_counter() - t0
+        self.stats.step_seconds += elapsed
+        self.stats.host_seconds += elapsed - device
+        self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, self.cache.held_bytes)
+        self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, self.cache.live_bytes)
+        return self.has_work()
+
+    def run_until_idle(self, max_steps: int | None = None) -> None:
+        """Steps until every submitted request finished (tests, offline use)."""
+        n = 0
+        while self.has_work():
+            if max_steps is not None and n >= max_steps:
+                raise RuntimeError(f"run_until_idle: work left after {max_steps} steps")
+            self.step()
+            n += 1
+
+    def _active(self) -> list[_Seq]:
+        return [s for s in self._slots if s is not None]
+
+    def _end_cancelled(self) -> None:
+        for seq in self._active():
+            if seq.request.cancel_requested:
+                self._finish(seq, FINISH_CANCELLED)
+        with self._lock:
+            gone = [s for s in self._queue if s.request.cancel_requested]
+            for s in gone:
+                self._queue.remove(s)
+        for s in gone:
+            self._finish(s, FINISH_CANCELLED)
+
+    def _admit(self, room: int, counts: np.ndarray) -> int:
+        """Admits queued requests, FIFO, into free slots while the prefill call has room and
+        the head's first piece (what it prefills in this call) can be committed; the head
+        never preempts to get in. Returns the room left."""
+        while room > 0 and None in self._slots:
+            with self._lock:
+                if not self._queue:
+                    break
+                seq = self._queue[0]
+            b = self._slots.index(None)
+            n = min(seq.prefill_target, room)
+            try:
+                self.cache.ensure_slot(b, n)
+            except ArenaExhausted:
+                break  # FIFO: the head waits for memory, and so does everyone behind it
+            with self._lock:
+                self._queue.popleft()
+            seq.slot, seq.cached = b, 0
+            seq.admitted = self._admissions
+            self._admissions += 1
+            self._slots[b] = seq
+            s = seq.sampling
+            self._temperature[b], self._top_k[b], self._top_p[b] = s.temperature, s.top_k, s.top_p
+            self._seeds[b] = s.seed & 0xFFFFFFFF  # JAX keys on the low 32 bits (Sampling)
+            counts[b] = n
+            room -= n
+        return room
+
+    def _reserve(self, seq: _Seq, tokens: int) -> bool:
+        """Commits what seq's slot needs for `tokens` tokens, preempting younger slot holders
+        while memory is short; False if even that cannot make room."""
+        assert seq.slot is not None
+        while True:
+            try:
+                self.cache.ensure_slot(seq.slot, tokens)
+                return True
+            except ArenaExhausted:
+                younger = [s for s in self._active() if s.admitted > seq.admitted]
+                if not younger:
+                    return False
+                self._preempt(max(younger, key=lambda s: s.admitted))
+
+    def _preempt(self, seq: _Seq) -> None:
+        """Releases seq's slot and memory; it keeps its tokens and waits at the queue's head
+        to be re-prefilled."""
+        assert seq.slot is not None
+        self.cache.release_slot(seq.slot)
+        self._slots[seq.slot] = None
+        seq.slot, seq.cached = None, 0
+        seq.preemptions += 1
+        self.stats.preemptions += 1
+        with self._lock:
+            self._queue.appendleft(seq)
+
+    def _prefill_step(self) -> float:
+        B, chunk = self.max_slots, self.prefill_chunk_tokens
+        waiting = sorted(
+            (s for s in self._active() if s.cached < s.prefill_target), key=lambda s: s.admitted
+        )
+        counts = np.zeros((B,), np.int64)
+        room = chunk
+        for seq in waiting:
+            if room == 0:
+                break
+            if seq.slot is None:  # preempted by an older one's reservation in this loop
+                continue
+            n = min(seq.prefill_target - seq.cached, room)
+            if not self._reserve(seq, seq.cached + n):
+                continue
+            counts[seq.slot] = n
+            room -= n
+        self._admit(room, counts)
+        real = int(counts.sum())
+        if real == 0:
+            return 0.0
+        N = min(bucket_for(real, PREFILL_MIN_TOKENS), chunk)
+        tokens = np.zeros((N,), np.int32)
+        i = 0
+        for b in np.flatnonzero(counts):
+            seq = self._slots[b]
+            assert seq is not None
+            for j in range(seq.cached, seq.cached + int(counts[b])):
+                tokens[i] = seq.token_at(j)
+                i += 1
+        cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        lengths = self._lengths()
+        if N not in self.stats.prefill_buckets:
+            self.stats.prefill_buckets.append(N)
+        traces = self._traces["prefill"]
+        t0 = time.perf_counter()
+        out, caches, status = self._prefill(
+            self.params, jnp.asarray(tokens), jnp.asarray(cu), self._caches(), jnp.asarray(lengths),
+            self.cache.committed, *self._sampling_args(),
+        )  # fmt: skip
+        self._accept(caches)
+        sampled, status = np.asarray(out), np.asarray(status)
+        device = time.perf_counter() - t0
+        self.stats.prefill_compiles += self._traces["prefill"] - traces
+        self.stats.prefill_calls += 1
+        self.stats.prefill_tokens += real
+        self.stats.prefill_tokens_computed += N
+        for b in np.flatnonzero(counts):
+            seq = self._slots[b]
+            assert seq is not None
+            if status[b]:
+                self._fail_row(seq, int(status[b]), "prefill")
+                continue
+            seq.cached += int(counts[b])
+            self.cache.lengths[b] = seq.cached
+            if seq.cached == seq.prefill_target and not seq.generated:
+                self._emit(seq, int(sampled[b]))
+        return device
+
+    def _decode_step(self) -> float:
+        decoding = sorted(
+            (s for s in self._active() if s.cached == s.prefill_target and s.generated),
+            key=lambda s: s.admitted,
+        )
+        rows: list[_Seq] = []
+        for seq in decoding:
+            if seq.slot is None:  # preempted for an older one
+                continue
+            if self._reserve(seq, seq.cached + 1):
+                rows.append(seq)
+            else:
+                self._preempt(seq)  # the youngest: it waits for the older ones' memory
+        rows = [s for s in rows if s.slot is not None]
+        if not rows:
+            return 0.0
+        B = self.max_slots
+        tokens = np.zeros((B,), np.int32)
+        for seq in rows:
+            tokens[seq.slot] = seq.generated[-1]
+        committed = self._decode_committed(rows)
+        traces = self._traces["decode"]
+        t0 = time.perf_counter()
+        out, caches, status = self._decode(
+            self.params, jnp.asarray(tokens), self._caches(), jnp.asarray(self._lengths()),
+            committed, *self._sampling_args(),
+        )  # fmt: skip
+        self._accept(caches)
+        sampled, status = np.asarray(out), np.asarray(status)
+        device = time.perf_counter() - t0
+        self.stats.decode_compiles += self._traces["decode"] - traces
+        self.stats.decode_calls += 1
+        for seq in rows:
+            b = seq.slot
+            assert b is not None
+            if status[b]:
+                self._fail_row(seq, int(status[b]), "decode")
+                continue
+            seq.cached += 1
+            self.cache.lengths[b] = seq.cached
+            self.stats.decode_tokens += 1
+            self._emit(seq, int(sampled[b]))
+        return device
+
+    def _decode_committed(self, rows: list[_Seq]) -> jax.Array:
+        """The write bound of this decode call: the cache's, unless a held slot is not
+        decoding (prefilling): that row is made idle (0) for the call."""
+        decoding = {s.slot for s in rows}
+        held = [b for b, s in enumerate(self._slots) if s is not None and b not in decoding]
+        if not held:
+            return self.cache.committed
+        values = self.cache.committed_tokens()
+        values[held] = 0
+        return jnp.asarray(values)
+
+    def _lengths(self) -> np.ndarray:
+        return np.array([0 if s is None else s.cached for s in self._slots], np.int32)
+
+    def _caches(self) -> list[tuple[jax.Array, jax.Array]]:
+        return list(zip(self.cache.k, self.cache.v, strict=True))
+
+    def _accept(self, caches: list[tuple[jax.Array, jax.Array]]) -> None:
+        self.cache.accept([k for k, _ in caches], [v for _, v in caches])
+
+    def _sampling_args(self) -> tuple[jax.Array, ...]:
+        return tuple(
+            jnp.asarray(a) for a in (self._temperature, self._top_k, self._top_p, self._seeds)
+        )
+
+    # -- tokens and endings -------------------------------------------------------------
+
+    def _emit(self, seq: _Seq, token: int) -> None:
+        seq.generated.append(token)
+        text = ""
+        reason = None
+        if token in seq.stop_ids:
+            reason = FINISH_STOP
+        elif seq.text is not None:
+            text = seq.text.push(token)
+            if seq.text.stopped:
+                reason = FINISH_STOP
+        if reason is None and len(seq.generated) >= seq.max_new:
+            reason = FINISH_LENGTH
+        if reason is not None and seq.text is not None:
+            text += seq.text.finish()
+        seq.request._push([Delta(token, text)])
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _finish(self, seq: _Seq, reason: str, error: BaseException | None = None) -> None:
+        if seq.slot is not None:
+            self.cache.release_slot(seq.slot)
+            self._slots[seq.slot] = None
+            seq.slot = None
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        seq.request._finish(
+            Completion(
+                request_id=seq.request.id,
+                prompt_tokens=len(seq.prompt),
+                tokens=list(seq.generated),
+                text=None if seq.text is None else seq.text.released,
+                finish_reason=reason,
+                error=error,
+                preemptions=seq.preemptions,
+            )
+        )
+
+    def _fail_row(self, seq: _Seq, code: int, where: str) -> None:
+        cause = STATUS_CAUSES.get(code, f"unknown status {code}")
+        error = StepStatusError(
+            f"{where}: slot {seq.slot} of {seq.request.id} was refused by the attention op "
+            f"(status {code}: {cause}); the other requests went on"
+        )
+        self._finish(seq, FINISH_ERROR, error)
+
+    def _fail(self, error: BaseException) -> None:
+        """A step raised: its donated cache may be gone, so the engine stops; every request
+        it holds ends with the error (none is lost) and later submits are refused."""
+        with self._lock:
+            self._failure = error
+            self._accepting = False
+            queued = list(self._queue)
+            self._queue.clear()
+        for seq in [*self._active(), *queued]:
+            try:
+                self._finish(seq, FINISH_ERROR, error)
+            except Exception:  # noqa: BLE001 - the cache may be broken: end the request anyway
+                seq.slot = None
+                seq.request._finish(
+                    Completion(
+                        seq.request.id,
+                        len(seq.prompt),
+                        list(seq.generated),
+                        None,
+                        FINISH_ERROR,
+                        error,
+                        seq.preemptions,
+                    )  # fmt: skip
+                )
+        self._slots = [None] * self.max_slots
+
+    # -- memory ---------------------------------------------------------------------------
+
+    def check_memory(self) -> None:
+        """Asserts the slots hold no more than their live tokens plus one granule per
+        (binding, slot in use), and on VMM that the arena's bytes are the slots'."""
+        cache = self.cache
+        in_use = sum(s is not None for s in self._slots)
+        limit = cache.live_bytes + cache.floor_bytes(in_use)
+        if cache.held_bytes > limit:
+            raise AssertionError(
+                f"KV memory: {cache.held_bytes} bytes held > live {cache.live_bytes} + "
+                f"{cache.floor_bytes(in_use)} (one granule per binding and slot in use)"
+            )
+        if cache.is_vmm and cache.committed_bytes != cache.held_bytes:
+            raise AssertionError(
+                f"KV memory: the arena holds {cache.committed_bytes} bytes for slots that "
+                f"hold {cache.held_bytes}"
+            )
+
+    # -- the background driver ------------------------------------------------------------
+
+    def start(self) -> None:
+        """Runs step() on a background thread while there is work (the server's driver)."""
+        if self._thread is not None:
+            return
+        self._stop_thread = False
+        self._thread = threading.Thread(target=self._drive, name="jax_kv-engine", daemon=True)
+        self._thread.start()
+
+    def _drive(self) -> None:
+        while True:
+            with self._lock:
+                self._work.wait_for(
+                    lambda: self._stop_thread or bool(self._queue) or self._holds_slots(),
+                    timeout=0.1,
+                )
+                if self._stop_thread and not self._queue and not self._holds_slots():
+                    return
+                if self._failure is not None:
+                    return
+            try:
+                self.step()
+            except BaseException:  # noqa: BLE001 - _fail ended every request with it
+                return
+
+    def _holds_slots(self) -> bool:
+        return any(s is not None for s in self._slots)
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stops accepting requests; with drain, finishes the running and queued ones (after
+        `timeout` seconds the rest are cancelled), else cancels them; then stops the driver."""
+        with self._lock:
+            self._accepting = False
+            pending = list(self._queue)
+        if not drain:
+            for seq in [*pending, *self._active()]:
+                seq.request.cancel()
+        if self._thread is None:
+            if not drain:
+                self.step()  # ends the cancelled ones
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            self._stop_thread = True
+            self._work.notify_all()
+        while self._thread.is_alive():
+            self._thread.join(0.05)
+            if deadline is not None and time.monotonic() > deadline:
+                for seq in [*list(self._queue), *self._active()]:
+                    seq.request.cancel()
+                deadline = None
+        self._thread = None
+
+    def close(self) -> None:
+        """Shuts down without draining and frees the cache."""
+        self.shutdown(drain=False)
+        self.cache.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["Engine", "EngineError", "EngineStats", "QueueFull"]

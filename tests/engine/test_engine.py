@@ -1,0 +1,286 @@
+"""The continuous-batching engine (issue 21) on CPU: the API (submit, iterate, result, cancel,
+queue full, too long), per-request greedy tokens equal to Generator alone in any arrival order
+and with preemptions forced, the memory invariant after every step of a random schedule, one
+decode compile for the engine's life, prefill compiles per bucket only, the background driver
+and failures that end every request instead of losing one."""
+
+import threading
+
+import pytest
+
+import jax_kv.models as jm
+from jax_kv import Sampling
+from jax_kv.decode import Generator
+from jax_kv.engine import (
+    FINISH_CANCELLED,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Engine,
+    EngineError,
+    QueueFull,
+    RequestError,
+)
+from jax_kv.memory import EagerArena
+
+MAX_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def model():
+    return jm.random_model("tiny-llama", seed=7)
+
+
+@pytest.fixture(scope="module")
+def generator(model):
+    return Generator(model, arena=EagerArena(), max_len=MAX_LEN)
+
+
+def token_bytes(model):
+    c = model.config
+    return c.num_kv_heads * c.head_dim * 4
+
+
+def engine(model, **kw):
+    kw.setdefault("max_slots", 3)
+    kw.setdefault("max_len", MAX_LEN)
+    kw.setdefault("prefill_chunk_tokens", 32)
+    kw.setdefault("granule_bytes", 16 * token_bytes(model))  # 16 tokens per granule
+    return Engine(model, arena=EagerArena(), **kw)
+
+
+def prompts(rng, model, lengths):
+    return [[int(t) for t in rng.integers(3, model.config.vocab_size, n)] for n in lengths]
+
+
+def alone(generator, prompt, n):
+    return generator.generate([prompt], n, stop_tokens=[]).tokens[0]
+
+
+def step_checked(eng):
+    eng.step()
+    eng.check_memory()
+
+
+def test_greedy_tokens_equal_generator_in_any_arrival_order(model, generator, rng):
+    """Requests arrive while others run (some between steps), prompts span several chunks
+    (32 tokens) and granules (16 tokens): each request's tokens equal it generated alone."""
+    ps = prompts(rng, model, [5, 70, 17, 1, 33, 48, 16])
+    news = [12, 5, 20, 9, 1, 14, 7]
+    with engine(model) as eng:
+        reqs = [eng.submit(p, n, stop_token_ids=[]) for p, n in zip(ps[:3], news[:3], strict=True)]
+        for i in range(3, len(ps)):
+            step_checked(eng)
+            step_checked(eng)
+            reqs.append(eng.submit(ps[i], news[i], stop_token_ids=[]))
+        while eng.has_work():
+            step_checked(eng)
+        for p, n, r in zip(ps, news, reqs, strict=True):
+            c = r.result()
+            assert c.finish_reason == FINISH_LENGTH and len(c.tokens) == n
+            assert c.tokens == alone(generator, p, n), r
+        s = eng.stats
+        assert s.decode_compiles == 1
+        assert s.prefill_compiles == len(s.prefill_buckets) <= 2  # buckets 16 and 32
+        assert s.finished == {FINISH_LENGTH: len(ps)}
+        assert eng.cache.held_bytes == 0 and eng.cache.live_bytes == 0
+
+
+def test_preemption_keeps_tokens_and_memory_within_the_budget(model, generator, rng):
+    """A budget of 12 granules per binding for 3 slots: the running requests outgrow it, the
+    youngest are preempted (granules released, tokens kept) and re-prefilled later; tokens
+    still equal Generator's, held memory never passes the budget."""
+    tb = token_bytes(model)
+    granule = 16 * tb
+    bindings = 2 * model.config.num_layers
+    budget = 12 * granule * bindings
+    ps = prompts(rng, model, [30, 20, 40, 10, 25])
+    news = [60, 70, 50, 40, 30]
+    with engine(model, kv_budget_bytes=budget) as eng:
+        reqs = [eng.submit(p, n, stop_token_ids=[]) for p, n in zip(ps, news, strict=True)]
+        while eng.has_work():
+            step_checked(eng)
+            assert eng.cache.held_bytes <= budget
+        assert eng.stats.preemptions > 0
+        assert sum(r.result().preemptions for r in reqs) == eng.stats.preemptions
+        for p, n, r in zip(ps, news, reqs, strict=True):
+            assert r.result().tokens == alone(generator, p, n), r
+        assert eng.stats.decode_compiles == 1
+
+
+def test_memory_invariant_and_compiles_over_a_random_schedule(model, rng):
+    """200 requests of random lengths arriving at random steps, a few cancelled: after every
+    step the slots hold at most live bytes + one granule per (binding, slot in use); one
+    decode compile; every request ends with a reason."""
+    with engine(model, max_slots=4, max_queue=1000) as eng:
+        reqs = []
+        pending = [(int(rng.integers(1, 60)), int(rng.integers(1, 40))) for _ in range(200)]
+        while pending or eng.has_work():
+            for _ in range(int(rng.poisson(1.5))):
+                if pending:
+                    n, new = pending.pop()
+                    reqs.append(eng.submit(prompts(rng, model, [n])[0], new))
+            if reqs and rng.random() < 0.05:
+                reqs[int(rng.integers(len(reqs)))].cancel()
+            step_checked(eng)
+        reasons = [r.completion.finish_reason for r in reqs]
+        assert len(reqs) == 200 and all(r.done for r in reqs)
+        assert set(reasons) <= {FINISH_LENGTH, FINISH_CANCELLED, FINISH_STOP}
+        assert eng.stats.decode_compiles == 1
+        assert eng.stats.prefill_compiles <= 2
+        assert eng.cache.held_bytes == 0
+
+
+def test_cancel_a_queued_and_a_running_request(model, rng):
+    ps = prompts(rng, model, [10, 10, 10])
+    with engine(model, max_slots=1) as eng:
+        running = eng.submit(ps[0], 50, stop_token_ids=[])
+        queued = eng.submit(ps[1], 5, stop_token_ids=[])
+        eng.step()
+        eng.step()
+        held = eng.cache.held_bytes
+        assert held > 0 and not running.done and not queued.done
+        queued.cancel()
+        running.cancel()
+        eng.step()  # within one step both end and the slot's memory is back
+        assert eng.cache.held_bytes == 0
+        assert running.result().finish_reason == FINISH_CANCELLED
+        assert 1 <= len(running.result().tokens) < 50
+        assert queued.result().finish_reason == FINISH_CANCELLED
+        assert queued.result().tokens == []
+        late = eng.submit(ps[2], 3, stop_token_ids=[])
+        eng.run_until_idle()
+        assert late.result().finish_reason == FINISH_LENGTH
+
+
+def test_stop_token_ends_a_request_and_is_kept(model, generator, rng):
+    p = prompts(rng, model, [12])[0]
+    free = alone(generator, p, 10)
+    stop = free[4]
+    k = free.index(stop)  # the first occurrence ends it
+    with engine(model) as eng:
+        r = eng.submit(p, 10, stop_token_ids=[stop])
+        eng.run_until_idle()
+    c = r.result()
+    assert c.finish_reason == FINISH_STOP and c.tokens == free[: k + 1]
+
+
+def test_submit_refusals_name_the_numbers(model):
+    with engine(model, max_queue=2) as eng:
+        with pytest.raises(ValueError, match=r"prompt: 250 tokens \+ max_new_tokens 7 = 257 "
+                           r"exceeds max_len=256"):  # fmt: skip
+            eng.submit([5] * 250, 7)
+        with pytest.raises(ValueError, match=r"prompt: token id 512 outside \[0, vocab=512\)"):
+            eng.submit([1, 512], 4)
+        with pytest.raises(ValueError, match=r"max_new_tokens: expected an int >= 1, got 0"):
+            eng.submit([1], 0)
+        with pytest.raises(ValueError, match=r"prompt: expected at least one token"):
+            eng.submit([], 3)
+        with pytest.raises(ValueError, match=r"stop strings need a tokenizer"):
+            eng.submit([1], 3, stop="x")
+        with pytest.raises(ValueError, match=r"sampling: expected a jax_kv.Sampling"):
+            eng.submit([1], 3, sampling={"temperature": 1})
+        eng.submit([1], 3)
+        eng.submit([2], 3)
+        with pytest.raises(QueueFull, match=r"2 requests waiting, max_queue=2"):
+            eng.submit([3], 3)
+        assert eng.stats.submitted == 2
+    granule = 16 * token_bytes(model)
+    small = 4 * granule * 2 * model.config.num_layers  # 64 tokens per request at most
+    with engine(model, kv_budget_bytes=small) as eng:
+        with pytest.raises(ValueError, match=r"need \d+ bytes of KV memory, more than the "
+                           r"\d+ bytes the engine can ever give one request"):  # fmt: skip
+            eng.submit([1] * 60, 10)
+        eng.submit([1] * 60, 5)  # 64 tokens: fits
+
+
+def test_bad_engine_arguments(model):
+    for kw, match in [
+        (dict(max_slots=0), r"max_slots: expected an int >= 1, got 0"),
+        (dict(prefill_chunk_tokens=8), r"prefill_chunk_tokens: expected an int >= 16, got 8"),
+        (dict(max_len=4096), r"max_len: expected <= the model's max_position_embeddings"),
+        (dict(max_queue=True), r"max_queue: expected an int >= 1, got True"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            engine(model, **kw)
+    with pytest.raises(ValueError, match=r"model: expected a jax_kv.decode.DecoderModel"):
+        Engine(object())
+
+
+def test_per_request_sampling_does_not_depend_on_companions(model, rng):
+    """A seeded sampled request gives the same tokens alone and beside others (its key is
+    folded from its seed and the token's position, not from the slot or the step)."""
+    p, q = prompts(rng, model, [9, 21])
+    hot = Sampling(temperature=1.5, top_k=50, top_p=0.9, seed=123)
+    with engine(model) as eng:
+        solo = eng.submit(p, 16, hot, stop_token_ids=[])
+        eng.run_until_idle()
+    with engine(model) as eng:
+        eng.submit(q, 30, Sampling(temperature=0.7, seed=5), stop_token_ids=[])
+        eng.step()
+        mixed = eng.submit(p, 16, hot, stop_token_ids=[])
+        greedy = eng.submit(q, 8, stop_token_ids=[])
+        eng.run_until_idle()
+    assert mixed.result().tokens == solo.result().tokens
+    other = Sampling(temperature=1.5, top_k=50, top_p=0.9, seed=124)
+    with engine(model) as eng:
+        diff = eng.submit(p, 16, other, stop_token_ids=[])
+        eng.run_until_idle()
+    assert diff.result().tokens != solo.result().tokens
+    assert greedy.result().finish_reason == FINISH_LENGTH
+
+
+def test_background_driver_streams_in_order_from_many_threads(model, rng):
+    ps = prompts(rng, model, [int(n) for n in rng.integers(1, 50, 24)])
+    with engine(model, max_slots=4) as eng:
+        eng.start()
+        reqs: list = [None] * len(ps)
+        streamed: list = [None] * len(ps)
+
+        def client(i):
+            reqs[i] = eng.submit(ps[i], 6 + i % 5, stop_token_ids=[])
+            streamed[i] = [d.token for d in reqs[i]]
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(ps))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        eng.shutdown(drain=True)
+        for i, r in enumerate(reqs):
+            c = r.result(timeout=1)
+            assert c.finish_reason == FINISH_LENGTH
+            assert streamed[i] == c.tokens and len(c.tokens) == 6 + i % 5
+        with pytest.raises(EngineError, match=r"shutting down"):
+            eng.submit([1], 2)
+
+
+def test_shutdown_without_drain_cancels(model, rng):
+    ps = prompts(rng, model, [20, 20, 20, 20])
+    with engine(model, max_slots=2) as eng:
+        reqs = [eng.submit(p, 200 - 20) for p in ps]
+        eng.step()
+        eng.shutdown(drain=False)
+        assert all(r.completion.finish_reason == FINISH_CANCELLED for r in reqs)
+        assert eng.cache.held_bytes == 0
+
+
+def test_a_failed_step_ends_every_request_with_its_error(model, rng):
+    ps = prompts(rng, model, [8, 8, 8, 8, 8])
+    with engine(model, max_slots=2) as eng:
+        reqs = [eng.submit(p, 20, stop_token_ids=[]) for p in ps]
+        eng.step()
+        eng.step()
+
+        def broken(*a, **k):
+            raise RuntimeError("injected device failure")
+
+        eng._decode = broken
+        with pytest.raises(RuntimeError, match="injected device failure"):
+            eng.step()
+        for r in reqs:
+            assert r.completion.finish_reason == FINISH_ERROR
+            with pytest.raises(RequestError, match="injected device failure"):
+                r.result()
+        with pytest.raises(EngineError, match=r"the engine failed: injected device failure"):
+            eng.submit([1], 2)
