@@ -124,7 +124,7 @@ class Request:
         i = 0
         while True:
             with self._cond:
-                self._cond.wait_for(lambda i=i: len(self._deltas) > i or self._completion is not None)
+                self._cond.wait_for(lambda i=i: len(self._deltas) > i or self._completion)
                 ready = self._deltas[i:]
                 done = self._completion is not None
             yield from ready
