@@ -71,6 +71,8 @@ class TextStream:
         self.stopped = False
 
     def push(self, token: int) -> str:
+        if self.stopped:
+            return ""  # the text ended at the stop string
         self._ids.append(token)
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix :])
