@@ -1,7 +1,7 @@
 """The continuous-batching engine: requests come and go on a SlotCache, memory follows them,
 the compiled decode step never changes (DESIGN.md, Serving)."""
 
-from jax_kv.engine.engine import Engine, EngineError, EngineStats, QueueFull
+from jax_kv.engine.engine import Engine, EngineError, EngineStats, QueueFull, StepRecord
 from jax_kv.engine.request import (
     FINISH_CANCELLED,
     FINISH_ERROR,
@@ -27,5 +27,6 @@ __all__ = [
     "QueueFull",
     "Request",
     "RequestError",
+    "StepRecord",
     "TextStream",
 ]

@@ -82,6 +82,17 @@ class EngineStats:
     step_seconds: float = 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """What the last step did (Engine.last_step): the benchmark's per-step view."""
+
+    prefill_tokens: int = 0  # real tokens of its prefill call (0: none)
+    prefill_seconds: float = 0.0  # the prefill call, until its tokens were on the host
+    decode_rows: int = 0  # requests its decode step advanced (0: none)
+    decode_seconds: float = 0.0
+    seconds: float = 0.0  # the whole step
+
+
 @dataclasses.dataclass(eq=False)
 class _Seq:
     """The engine's state of one request."""
@@ -189,6 +200,7 @@ class Engine:
             budget_bytes=kv_budget_bytes,
         )
         self.stats = EngineStats()
+        self.last_step = StepRecord()
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._queue: collections.deque[_Seq] = collections.deque()  # guarded by _lock
@@ -368,16 +380,17 @@ class Engine:
         """One scheduling iteration; returns whether any work remains. Call it from one
         thread at a time (start() runs it on a background thread)."""
         t0 = time.perf_counter()
-        device = 0.0
         try:
             self._end_cancelled()
-            device += self._prefill_step()
-            device += self._decode_step()
+            prefill_tokens, prefill_s = self._prefill_step()
+            decode_rows, decode_s = self._decode_step()
         except BaseException as error:
             self._fail(error)
             raise
         self.stats.steps += 1
         elapsed = time.perf_counter() - t0
+        device = prefill_s + decode_s
+        self.last_step = StepRecord(prefill_tokens, prefill_s, decode_rows, decode_s, elapsed)
         self.stats.step_seconds += elapsed
         self.stats.host_seconds += elapsed - device
         self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, self.cache.held_bytes)
@@ -461,7 +474,7 @@ class Engine:
         with self._lock:
             self._queue.appendleft(seq)
 
-    def _prefill_step(self) -> float:
+    def _prefill_step(self) -> tuple[int, float]:
         B, chunk = self.max_slots, self.prefill_chunk_tokens
         waiting = sorted(
             (s for s in self._active() if s.cached < s.prefill_target), key=lambda s: s.admitted
@@ -481,7 +494,7 @@ class Engine:
         self._admit(room, counts)
         real = int(counts.sum())
         if real == 0:
-            return 0.0
+            return 0, 0.0
         N = min(bucket_for(real, PREFILL_MIN_TOKENS), chunk)
         tokens = np.zeros((N,), np.int32)
         i = 0
@@ -519,9 +532,9 @@ class Engine:
             self.cache.lengths[b] = seq.cached
             if seq.cached == seq.prefill_target and not seq.generated:
                 self._emit(seq, int(sampled[b]))
-        return device
+        return real, device
 
-    def _decode_step(self) -> float:
+    def _decode_step(self) -> tuple[int, float]:
         decoding = sorted(
             (s for s in self._active() if s.cached == s.prefill_target and s.generated),
             key=lambda s: s.admitted,
@@ -536,7 +549,7 @@ class Engine:
                 self._preempt(seq)  # the youngest: it waits for the older ones' memory
         rows = [s for s in rows if s.slot is not None]
         if not rows:
-            return 0.0
+            return 0, 0.0
         B = self.max_slots
         tokens = np.zeros((B,), np.int32)
         for seq in rows:
@@ -564,7 +577,7 @@ class Engine:
             self.cache.lengths[b] = seq.cached
             self.stats.decode_tokens += 1
             self._emit(seq, int(sampled[b]))
-        return device
+        return len(rows), device
 
     def _decode_committed(self, rows: list[_Seq]) -> jax.Array:
         """The write bound of this decode call: the cache's, unless a held slot is not
@@ -751,4 +764,4 @@ class Engine:
         self.close()
 
 
-__all__ = ["Engine", "EngineError", "EngineStats", "QueueFull"]
+__all__ = ["Engine", "EngineError", "EngineStats", "QueueFull", "StepRecord"]

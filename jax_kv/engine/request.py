@@ -153,6 +153,12 @@ class Request:
             self._cancel_requested = True
 
     @property
+    def streamed(self) -> int:
+        """Tokens streamed so far."""
+        with self._cond:
+            return len(self._deltas)
+
+    @property
     def done(self) -> bool:
         with self._cond:
             return self._completion is not None

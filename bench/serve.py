@@ -1,0 +1,380 @@
+"""Issue 21's table: the continuous-batching Engine against the static Generator and a
+JetStream-style dense slot engine (bench/dense_slots.py), on one seeded workload.
+
+Workload 1, mixed: prompt and output lengths lognormal (medians 300 and 200 tokens, capped at
+8k and 2k; prompt + output <= max_len), random token ids, Poisson arrivals at each rate
+(`inf`: all at once, offline). Random weights of a named shape, greedy, stop tokens off.
+
+Per engine and rate: output tokens/s, requests/s, TTFT and inter-token latency p50/p99 (ms);
+for the Engine also peak and mean committed KV bytes against live KV bytes (and the floor of
+one granule per binding and slot in use), decode and prefill compiles after warm-up,
+preemptions, host time per step, and the decode step's time at >= 90% busy slots against the
+bandwidth roofline (weight bytes + live KV bytes per step / 4.8 TB/s).
+
+How each engine is timed: the Engine and the dense engine run for real on a wall clock that
+starts at the first arrival, requests submitted as their arrival time passes (between steps),
+each token stamped when its step returns. The static Generator processes arrival-order
+batches of `slots`: its prefill and decode times are measured (compiles excluded, as the
+Generator reports them) and its timeline is built from them, each batch starting when the
+previous one ended and its last request arrived. `--static-requests` limits it to the first
+N requests (the 8B static run of 1,000 requests takes minutes).
+
+    python bench/serve.py --model llama-3-8b --dtype bfloat16 --slots 64 --max-len 32768 \\
+        --requests 1000 --rates 4,8,16,inf --out bench/results
+    python bench/serve.py --model tiny-llama --dtype float32 --slots 8 --max-len 1024 \\
+        --requests 60 --prompt-median 40 --output-median 20 --rates 50,inf   # a CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from dense_slots import DenseSlotEngine  # noqa: E402
+
+import jax_kv.models as jm  # noqa: E402
+from jax_kv.decode import Generator  # noqa: E402
+from jax_kv.engine import Engine  # noqa: E402
+
+HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e, the issue's roofline
+
+
+@dataclasses.dataclass
+class Workload:
+    prompts: list[list[int]]
+    news: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return int(sum(self.news))
+
+
+def make_workload(rng, args, vocab: int) -> Workload:
+    def lognormal(median, cap, lo):
+        x = rng.lognormal(math.log(median), args.sigma, args.requests)
+        return np.clip(np.round(x), lo, cap).astype(int)
+
+    plens = lognormal(args.prompt_median, args.prompt_max, 1)
+    news = lognormal(args.output_median, args.output_max, 1)
+    news = np.minimum(news, args.max_len - plens).clip(1)
+    plens = np.minimum(plens, args.max_len - news)
+    prompts = [[int(t) for t in rng.integers(3, vocab, n)] for n in plens]
+    return Workload(prompts, [int(n) for n in news])
+
+
+def arrival_times(rng, n: int, rate: float) -> np.ndarray:
+    if math.isinf(rate):
+        return np.zeros((n,))
+    return np.cumsum(rng.exponential(1.0 / rate, n)) - 0.0
+
+
+def latency_metrics(times: list[list[float]], arrivals: np.ndarray, wl: Workload) -> dict:
+    ttft = np.array([t[0] - a for t, a in zip(times, arrivals, strict=True) if t])
+    itl = np.concatenate([np.diff(t) for t in times if len(t) > 1] or [np.zeros(0)])
+    end = max(t[-1] for t in times if t)
+    start = float(arrivals.min())
+    produced = sum(len(t) for t in times)
+    assert produced == wl.output_tokens, (produced, wl.output_tokens)
+
+    def pct(x, q):
+        return float(np.percentile(x, q) * 1e3) if x.size else float("nan")
+
+    return dict(
+        output_tokens=produced,
+        seconds=end - start,
+        output_tok_s=produced / (end - start),
+        requests_s=len(times) / (end - start),
+        ttft_p50_ms=pct(ttft, 50),
+        ttft_p99_ms=pct(ttft, 99),
+        itl_p50_ms=pct(itl, 50),
+        itl_p99_ms=pct(itl, 99),
+    )
+
+
+def weight_bytes(params) -> int:
+    return int(sum(a.nbytes for a in jax.tree_util.tree_leaves(params)))
+
+
+def warm_up_engine(eng: Engine, vocab: int) -> None:
+    """Every prefill bucket (16 .. chunk) and the decode step, before the clock starts."""
+    n = 16
+    while True:
+        eng.submit([3 + (i % (vocab - 3)) for i in range(n)], 2, stop_token_ids=[])
+        eng.run_until_idle()
+        if n >= eng.prefill_chunk_tokens:
+            break
+        n = min(2 * n, eng.prefill_chunk_tokens)
+    # Several requests at once: a prefill call packing rows, a decode step of several rows.
+    for _ in range(min(4, eng.max_slots)):
+        eng.submit([5] * 20, 3, stop_token_ids=[])
+    eng.run_until_idle()
+
+
+def run_engine(model, wl: Workload, arrivals: np.ndarray, args) -> dict:
+    eng = Engine(
+        model, max_slots=args.slots, max_len=args.max_len,
+        prefill_chunk_tokens=args.chunk, max_queue=len(wl.prompts) + 1,
+    )  # fmt: skip
+    try:
+        warm_up_engine(eng, model.config.vocab_size)
+        s0 = dataclasses.replace(eng.stats, finished=dict(eng.stats.finished))
+        cache = eng.cache
+        n = len(wl.prompts)
+        order = np.argsort(arrivals, kind="stable")
+        reqs: list = [None] * n
+        times: list[list[float]] = [[] for _ in range(n)]
+        live: set[int] = set()
+        held, committed, live_kv, floors, roofline = [], [], [], [], []
+        host, steps = [], []
+        wbytes = weight_bytes(eng.params)
+        nxt, t0 = 0, time.perf_counter()
+        while nxt < n or eng.has_work():
+            now = time.perf_counter() - t0
+            while nxt < n and arrivals[order[nxt]] <= now:
+                i = int(order[nxt])
+                reqs[i] = eng.submit(wl.prompts[i], wl.news[i], stop_token_ids=[])
+                live.add(i)
+                nxt += 1
+            if not eng.has_work():
+                time.sleep(max(0.0, min(0.01, arrivals[order[nxt]] - now)))
+                continue
+            live_before = cache.live_bytes
+            eng.step()
+            t = time.perf_counter() - t0
+            for i in list(live):
+                k = reqs[i].streamed
+                times[i].extend([t] * (k - len(times[i])))
+                if reqs[i].done:
+                    live.discard(i)
+            rec = eng.last_step
+            in_use = sum(s is not None for s in eng._slots)
+            held.append(cache.held_bytes)
+            committed.append(cache.committed_bytes)
+            live_kv.append(cache.live_bytes)
+            floors.append(cache.floor_bytes(in_use))
+            host.append(rec.seconds - rec.prefill_seconds - rec.decode_seconds)
+            steps.append(rec.seconds)
+            if (
+                rec.prefill_tokens == 0
+                and rec.decode_rows >= 0.9 * args.slots
+                and rec.decode_seconds
+            ):
+                ideal = (wbytes + live_before) / HBM_BYTES_PER_S
+                roofline.append(ideal / rec.decode_seconds)
+        for i, r in enumerate(reqs):
+            c = r.result()
+            assert len(c.tokens) == wl.news[i], (i, c.finish_reason)
+        s = eng.stats
+        out = latency_metrics(times, arrivals, wl)
+        out.update(
+            decode_compiles_after_warmup=s.decode_compiles - s0.decode_compiles,
+            prefill_compiles_after_warmup=s.prefill_compiles - s0.prefill_compiles,
+            preemptions=s.preemptions - s0.preemptions,
+            steps=s.steps - s0.steps,
+            peak_committed_kv_bytes=int(max(committed)),
+            mean_committed_kv_bytes=float(np.mean(committed)),
+            peak_held_kv_bytes=int(max(held)),
+            mean_held_kv_bytes=float(np.mean(held)),
+            mean_live_kv_bytes=float(np.mean(live_kv)),
+            mean_floor_bytes=float(np.mean(floors)),
+            held_over_live_plus_floor=float(
+                np.mean(held) / max(1.0, np.mean(live_kv) + np.mean(floors))
+            ),
+            host_ms_per_step=float(np.mean(host) * 1e3),
+            host_fraction=float(np.sum(host) / np.sum(steps)),
+            decode_roofline_ratio=float(np.median(roofline)) if roofline else None,
+            arena="vmm" if cache.is_vmm else "eager",
+        )
+        return out
+    finally:
+        eng.close()
+
+
+def run_dense(model, wl: Workload, arrivals: np.ndarray, args) -> dict:
+    slots = args.dense_slots or args.slots
+    eng = DenseSlotEngine(model, slots, args.max_len)
+    eng.warm_up(max(len(p) for p in wl.prompts))
+    t0 = time.perf_counter()
+    times = eng.run(arrivals, wl.prompts, wl.news, lambda: time.perf_counter() - t0)
+    out = latency_metrics(times, arrivals, wl)
+    out.update(slots=slots, dense_cache_bytes=eng.cache_bytes)
+    eng.caches = None
+    return out
+
+
+def run_static(model, wl: Workload, arrivals: np.ndarray, args) -> dict:
+    """Arrival-order batches of `slots`, each generated to its longest output; the timeline
+    from the measured prefill and decode seconds (compiles excluded)."""
+    n = min(len(wl.prompts), args.static_requests or len(wl.prompts))
+    sub = Workload(wl.prompts[:n], wl.news[:n])
+    arr = arrivals[:n]
+    order = [int(i) for i in np.argsort(arr, kind="stable")]
+    gen = Generator(model, max_len=args.max_len)
+    times: list[list[float]] = [[] for _ in range(n)]
+    clock = float(arr.min())
+    compile_s = 0.0
+    for k in range(0, n, args.slots):
+        batch = order[k : k + args.slots]
+        most = max(sub.news[i] for i in batch)
+        res = gen.generate([sub.prompts[i] for i in batch], most, stop_tokens=[])
+        st = res.stats
+        compile_s += st.compile_seconds
+        start = max(clock, max(arr[i] for i in batch))
+        per_token = st.decode_seconds / max(1, most - 1)
+        first = start + st.prefill_seconds
+        for i in batch:
+            times[i] = [first + j * per_token for j in range(sub.news[i])]
+        clock = first + st.decode_seconds
+    out = latency_metrics(times, arr, sub)
+    out.update(requests=n, compile_seconds_excluded=compile_s)
+    return out
+
+
+def fmt_bytes(x) -> str:
+    return f"{x / 2**30:.2f} GiB"
+
+
+def print_table(results: dict, args) -> None:
+    print(
+        f"\n{args.model} shape, {args.dtype}, random weights, greedy; {args.slots} slots, max_len "
+        f"{args.max_len}, chunk {args.chunk}; {args.requests} requests, prompt median "
+        f"{args.prompt_median} (max {args.prompt_max}), output median {args.output_median} (max "
+        f"{args.output_max}); backend {jax.default_backend()}"
+    )
+    head = "| rate | engine | out tok/s | req/s | TTFT p50/p99 ms | ITL p50/p99 ms | notes |"
+    print(head)
+    print("|" + "---|" * 7)
+    for rate, engines in results.items():
+        for name, m in engines.items():
+            notes = ""
+            if name == "jax_kv":
+                physical = (
+                    ""
+                    if m["arena"] == "vmm"
+                    else f" (eager arena: {fmt_bytes(m['peak_committed_kv_bytes'])} dense)"
+                )
+                notes = (
+                    f"KV held mean {fmt_bytes(m['mean_held_kv_bytes'])} (live "
+                    f"{fmt_bytes(m['mean_live_kv_bytes'])} + floor "
+                    f"{fmt_bytes(m['mean_floor_bytes'])}), peak "
+                    f"{fmt_bytes(m['peak_held_kv_bytes'])}{physical}; decode compiles "
+                    f"{m['decode_compiles_after_warmup']}, prefill compiles "
+                    f"{m['prefill_compiles_after_warmup']}; preemptions {m['preemptions']}; "
+                    f"scheduling {m['host_ms_per_step']:.2f} ms/step "
+                    f"({100 * m['host_fraction']:.1f}%)"
+                    + (
+                        f"; decode at roofline x{m['decode_roofline_ratio']:.2f}"
+                        if m["decode_roofline_ratio"]
+                        else ""
+                    )
+                )
+            elif name == "dense":
+                notes = f"{m['slots']} slots, dense KV {fmt_bytes(m['dense_cache_bytes'])}"
+            elif name == "static":
+                notes = f"first {m['requests']} requests, timeline from measured times"
+            print(
+                f"| {rate} | {name} | {m['output_tok_s']:.0f} | {m['requests_s']:.2f} | "
+                f"{m['ttft_p50_ms']:.0f}/{m['ttft_p99_ms']:.0f} | "
+                f"{m['itl_p50_ms']:.1f}/{m['itl_p99_ms']:.1f} | {notes} |"
+            )
+
+
+def plot(results: dict, path: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed: no plot"
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = sorted({n for e in results.values() for n in e})
+    for name in names:
+        pts = [
+            (e[name]["ttft_p99_ms"], e[name]["output_tok_s"]) for e in results.values() if name in e
+        ]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT p99 (ms)")
+    ax.set_ylabel("output tokens/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return str(path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama-3-8b", choices=list(jm.PRESETS))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--max-len", type=int, default=32768)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument(
+        "--rates", default="4,8,16,inf", help="requests/s, comma-separated; inf: offline"
+    )
+    ap.add_argument("--engines", default="jax_kv,dense,static")
+    ap.add_argument("--prompt-median", type=int, default=300)
+    ap.add_argument("--prompt-max", type=int, default=8192)
+    ap.add_argument("--output-median", type=int, default=200)
+    ap.add_argument("--output-max", type=int, default=2048)
+    ap.add_argument("--sigma", type=float, default=1.0)
+    ap.add_argument("--dense-slots", type=int, default=0, help="0: --slots")
+    ap.add_argument("--static-requests", type=int, default=0, help="0: all")
+    ap.add_argument("--static-rates", default="inf", help="rates the static Generator runs at")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    config = dataclasses.replace(
+        jm.PRESETS[args.model],
+        max_position_embeddings=max(
+            args.max_len, jm.PRESETS[args.model].max_position_embeddings or 0
+        ),
+    )
+    model = jm.random_model(config, seed=args.seed, dtype=jnp.dtype(args.dtype))
+    rng = np.random.default_rng(args.seed)
+    wl = make_workload(rng, args, config.vocab_size)
+    engines = args.engines.split(",")
+    static_rates = set(args.static_rates.split(","))
+    results: dict[str, dict] = {}
+    for rate_name in args.rates.split(","):
+        rate = float(rate_name)
+        arrivals = arrival_times(np.random.default_rng(args.seed + 1), len(wl.prompts), rate)
+        row: dict[str, dict] = {}
+        for name in engines:
+            if name == "static" and rate_name not in static_rates:
+                continue
+            fn = {"jax_kv": run_engine, "dense": run_dense, "static": run_static}[name]
+            row[name] = fn(model, wl, arrivals, args)
+            print(f"rate {rate_name} {name}: {row[name]['output_tok_s']:.0f} tok/s", flush=True)
+        results[rate_name] = row
+    print_table(results, args)
+    meta = dict(vars(args), out=str(args.out), backend=jax.default_backend(),
+                device=str(jax.devices()[0]), output_tokens=wl.output_tokens,
+                prompt_tokens=int(sum(len(p) for p in wl.prompts)))  # fmt: skip
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = f"serve_{args.model}_{jax.default_backend()}"
+        (args.out / f"{stem}.json").write_text(
+            json.dumps(dict(meta=meta, results=results), indent=1)
+        )
+        print(plot(results, args.out / f"{stem}.png"))
+        print(f"wrote {args.out / stem}.json")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
