@@ -217,6 +217,7 @@ class Engine:
         self._top_k = np.zeros((B,), np.int32)
         self._top_p = np.ones((B,), np.float32)
         self._seeds = np.zeros((B,), np.uint32)
+        self._sampling_device: tuple[jax.Array, ...] | None = None
         self._thread: threading.Thread | None = None
         self._stop_thread = False
         # The memory any one request may hold: the budget (or the arena) with no other slot.
@@ -444,6 +445,7 @@ class Engine:
             s = seq.sampling
             self._temperature[b], self._top_k[b], self._top_p[b] = s.temperature, s.top_k, s.top_p
             self._seeds[b] = s.seed & 0xFFFFFFFF  # JAX keys on the low 32 bits (Sampling)
+            self._sampling_device = None
             counts[b] = n
             room -= n
         return room
@@ -603,9 +605,12 @@ class Engine:
         self.cache.accept([k for k, _ in caches], [v for _, v in caches], verify=verify)
 
     def _sampling_args(self) -> tuple[jax.Array, ...]:
-        return tuple(
-            jnp.asarray(a) for a in (self._temperature, self._top_k, self._top_p, self._seeds)
-        )
+        # Uploaded again only after an admission changed a row: not four transfers per step.
+        if self._sampling_device is None:
+            self._sampling_device = tuple(
+                jnp.asarray(a) for a in (self._temperature, self._top_k, self._top_p, self._seeds)
+            )
+        return self._sampling_device
 
     # -- tokens and endings -------------------------------------------------------------
 
