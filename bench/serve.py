@@ -106,28 +106,13 @@ def weight_bytes(params) -> int:
     return int(sum(a.nbytes for a in jax.tree_util.tree_leaves(params)))
 
 
-def warm_up_engine(eng: Engine, vocab: int) -> None:
-    """Every prefill bucket (16 .. chunk) and the decode step, before the clock starts."""
-    n = 16
-    while True:
-        eng.submit([3 + (i % (vocab - 3)) for i in range(n)], 2, stop_token_ids=[])
-        eng.run_until_idle()
-        if n >= eng.prefill_chunk_tokens:
-            break
-        n = min(2 * n, eng.prefill_chunk_tokens)
-    # Several requests at once: a prefill call packing rows, a decode step of several rows.
-    for _ in range(min(4, eng.max_slots)):
-        eng.submit([5] * 20, 3, stop_token_ids=[])
-    eng.run_until_idle()
-
-
 def run_engine(model, wl: Workload, arrivals: np.ndarray, args) -> dict:
     eng = Engine(
         model, max_slots=args.slots, max_len=args.max_len,
         prefill_chunk_tokens=args.chunk, max_queue=len(wl.prompts) + 1,
     )  # fmt: skip
     try:
-        warm_up_engine(eng, model.config.vocab_size)
+        eng.warm_up()
         s0 = dataclasses.replace(eng.stats, finished=dict(eng.stats.finished))
         cache = eng.cache
         n = len(wl.prompts)

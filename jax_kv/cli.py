@@ -1,5 +1,6 @@
 """`python -m jax_kv`: `generate` (the product: a model, a prompt, streamed tokens, the stats of
-what the memory and the compiled step did) and `demo` (the ops alone)."""
+what the memory and the compiled step did), `serve` (an OpenAI-compatible server on the
+engine) and `demo` (the ops alone)."""
 
 from __future__ import annotations
 
@@ -232,6 +233,31 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve(args: argparse.Namespace) -> int:
+    if args.model is not None and not Path(args.model).exists():
+        raise UserError(f"--model: {args.model}: no such file or directory")
+    try:
+        from jax_kv.server import main as server_main
+    except ImportError as e:
+        raise UserError(
+            f"serve needs the server extra ({e.name} is missing): pip install 'jax_kv[serve]'"
+        ) from None
+    import jax
+
+    import jax_kv.models as jm
+
+    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    model = jm.load(args.model, dtype=dtype) if args.model else jm.default(dtype=dtype)
+    name = args.served_model_name or (
+        Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
+    )
+    return server_main.run(
+        model, model_name=name, host=args.host, port=args.port, max_slots=args.max_slots,
+        max_len=args.max_len, prefill_chunk_tokens=args.prefill_chunk_tokens,
+        max_queue=args.max_queue, api_key=args.api_key,
+    )  # fmt: skip
+
+
 def demo(args: argparse.Namespace) -> int:
     import jax
 
@@ -305,6 +331,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--json", action="store_true", help="print one JSON object, no streaming")
     g.set_defaults(run=generate)
+    s = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)"
+    )
+    s.add_argument("--model", help="a checkpoint directory or .gguf (default: SmolLM2-135M)")
+    s.add_argument("--served-model-name", default=None, help="the name clients use")
+    s.add_argument("--host", default="127.0.0.1", help="default: localhost only")
+    s.add_argument("--port", type=_int_arg(0, 65535), default=8000)
+    s.add_argument("--max-slots", type=_int_arg(1), default=8, metavar="N")
+    s.add_argument("--max-len", type=_int_arg(2), default=None, metavar="N")
+    s.add_argument("--prefill-chunk-tokens", type=_int_arg(16), default=512, metavar="N")
+    s.add_argument("--max-queue", type=_int_arg(1), default=1024, metavar="N")
+    s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
+    s.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
+    s.set_defaults(run=serve)
     d = sub.add_parser(
         "demo",
         help="prefill + decode through one attention layer, both "

@@ -49,8 +49,8 @@ class SlotCache:
         max_len: the most tokens one slot holds (prompt and generated).
         arena: a VmmArena (memory follows the slots) or an EagerArena (dense buffers); the
             default is KvCache's (JAX_KV_ARENA; auto: VMM on CUDA).
-        granule_bytes: the eager path's accounting block per binding (ignored on VMM, where
-            it is the arena's granule).
+        granule_bytes: the eager path's accounting block per binding (default 2 MiB, at
+            most one slot's bytes; ignored on VMM, where it is the arena's granule).
         budget_bytes: the most bytes the slots may hold together (all bindings); default:
             on VMM what the arena can commit, on the eager path every slot at max_len.
     """
@@ -88,16 +88,18 @@ class SlotCache:
         self.is_vmm = isinstance(self.arena, VmmArena)
         if self.is_vmm:
             self.granule = int(self.arena.granule)
-        else:
-            self.granule = DEFAULT_GRANULE_BYTES if granule_bytes is None else int(granule_bytes)
-            if self.granule < self.token_bytes or self.granule % self.token_bytes:
-                raise ValueError(
-                    f"granule_bytes: expected a multiple of one token's bytes "
-                    f"({self.token_bytes}), got {granule_bytes!r}"
-                )
-        # A slot spans whole granules and whole tokens: S * token_bytes is a multiple of both.
-        step = math.lcm(self.granule, self.token_bytes)
-        self.slot_bytes = -(-self.max_len * self.token_bytes // step) * step  # per binding
+            # A slot spans whole granules and whole tokens (S * token_bytes a multiple of
+            # both), so no granule is shared by two slots.
+            step = math.lcm(self.granule, self.token_bytes)
+            self.slot_bytes = -(-self.max_len * self.token_bytes // step) * step  # per binding
+        else:  # dense rows of max_len; granules are only counted (at most one slot's bytes)
+            self.slot_bytes = self.max_len * self.token_bytes
+            granule = granule_bytes
+            if granule is None:
+                granule = min(DEFAULT_GRANULE_BYTES, self.slot_bytes)
+            if isinstance(granule, bool) or not isinstance(granule, int) or granule < 1:
+                raise ValueError(f"granule_bytes: expected an int >= 1, got {granule_bytes!r}")
+            self.granule = int(granule)
         self.slot_tokens = self.slot_bytes // self.token_bytes  # S of the arrays
         self.bindings = 2 * self.num_layers
         self.closed = False

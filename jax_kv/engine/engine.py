@@ -372,6 +372,22 @@ class Engine:
 
     # -- the scheduling step ------------------------------------------------------------
 
+    @property
+    def num_running(self) -> int:
+        """Requests holding a slot."""
+        return sum(s is not None for s in self._slots)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued (preempted ones included)."""
+        with self._lock:
+            return len(self._queue)
+
+    @property
+    def accepting(self) -> bool:
+        with self._lock:
+            return self._accepting and self._failure is None
+
     def has_work(self) -> bool:
         with self._lock:
             queued = bool(self._queue)
@@ -397,6 +413,25 @@ class Engine:
         self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, self.cache.held_bytes)
         self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, self.cache.live_bytes)
         return self.has_work()
+
+    def warm_up(self) -> None:
+        """Compiles every prefill bucket (16 .. prefill_chunk_tokens) and the decode step, by
+        serving a few short requests, before the background driver starts (a server is
+        ready only after this: no request then waits for a compile)."""
+        if self._thread is not None:
+            raise EngineError("warm_up: call it before start()")
+        vocab = self.model.config.vocab_size
+        n = PREFILL_MIN_TOKENS
+        while True:
+            n = min(n, self.max_len - 2)
+            self.submit([i % vocab for i in range(n)], 2, stop_token_ids=[])
+            self.run_until_idle()
+            if n >= min(self.prefill_chunk_tokens, self.max_len - 2):
+                break
+            n = min(2 * n, self.prefill_chunk_tokens)
+        for _ in range(min(4, self.max_slots)):  # a packed call of several rows, a wide decode
+            self.submit([1] * min(20, self.max_len - 3), 3, stop_token_ids=[])
+        self.run_until_idle()
 
     def run_until_idle(self, max_steps: int | None = None) -> None:
         """Steps until every submitted request finished (tests, offline use)."""

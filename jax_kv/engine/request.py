@@ -119,6 +119,7 @@ class Request:
         self._deltas: list[Delta] = []
         self._completion: Completion | None = None
         self._cancel_requested = False
+        self._listeners: list[Callable[[], None]] = []
 
     # -- the caller's side -----------------------------------------------------------------
 
@@ -145,6 +146,21 @@ class Request:
         if completion.finish_reason == FINISH_ERROR:
             raise RequestError(f"{self.id}: {completion.error}") from completion.error
         return completion
+
+    def add_listener(self, notify: Callable[[], None]) -> None:
+        """Calls `notify()` (on the engine's thread, so it must be quick and thread-safe:
+        an event loop's call_soon_threadsafe) after each new delta and at the end."""
+        with self._cond:
+            self._listeners.append(notify)
+            pending = bool(self._deltas) or self._completion is not None
+        if pending:
+            notify()
+
+    def deltas_from(self, start: int) -> tuple[list[Delta], Completion | None]:
+        """The deltas from index `start` on and the completion if finished: a non-blocking
+        read for event loops (iteration blocks)."""
+        with self._cond:
+            return self._deltas[start:], self._completion
 
     def cancel(self) -> None:
         """Asks the engine to end the request (finish reason "cancelled"); a no-op once it
@@ -181,12 +197,18 @@ class Request:
         with self._cond:
             self._deltas.extend(deltas)
             self._cond.notify_all()
+            listeners = list(self._listeners)
+        for notify in listeners:
+            notify()
 
     def _finish(self, completion: Completion) -> None:
         with self._cond:
             if self._completion is None:
                 self._completion = completion
             self._cond.notify_all()
+            listeners = list(self._listeners)
+        for notify in listeners:
+            notify()
 
     def __repr__(self) -> str:
         state = self._completion.finish_reason if self._completion else "running"

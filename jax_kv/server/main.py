@@ -1,0 +1,59 @@
+"""Runs the server: an Engine on a model, the app, uvicorn; SIGTERM drains and exits 0."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import uvicorn
+
+from jax_kv.engine import Engine
+from jax_kv.server.app import DRAIN_TIMEOUT_S, create_app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, but a stop signal first marks the app draining: a request that
+    still arrives on an open connection gets 503 while the running ones finish."""
+
+    def __init__(self, config: uvicorn.Config, state: Any) -> None:
+        super().__init__(config)
+        self.jax_kv_state = state
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.jax_kv_state.draining = True
+        super().handle_exit(sig, frame)
+
+
+def run(
+    model: Any,
+    *,
+    model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_slots: int = 8,
+    max_len: int | None = None,
+    prefill_chunk_tokens: int = 512,
+    max_queue: int = 1024,
+    api_key: str | None = None,
+    log_level: str = "info",
+) -> int:
+    engine = Engine(
+        model, max_slots=max_slots, max_len=max_len, prefill_chunk_tokens=prefill_chunk_tokens,
+        max_queue=max_queue,
+    )  # fmt: skip
+    app = create_app(engine, model_name=model_name, api_key=api_key)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, lifespan="on",
+        timeout_graceful_shutdown=int(DRAIN_TIMEOUT_S),
+    )  # fmt: skip
+    server = _Server(config, app.state.jax_kv)
+    print(
+        f"jax_kv: serving {model_name!r} on http://{host}:{port}/v1 ({max_slots} slots, "
+        f"max_len {engine.max_len}); /health answers 200 once warmed up",
+        file=sys.stderr,
+    )
+    try:
+        server.run()
+    finally:
+        engine.close()
+    return 0

@@ -1,0 +1,98 @@
+"""/metrics in Prometheus's text format (prometheus-client): the engine's state read at scrape
+time, and the latencies the server sees."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# Seconds: from 1 ms (a decode step of a small model) to a minute (a long queue).
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 5)
+
+
+class _EngineCollector:
+    """Gauges and counters read from the engine when scraped (no bookkeeping per step)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._last = (time.monotonic(), 0)
+
+    def collect(self) -> Any:
+        e, s = self.engine, self.engine.stats
+        cache = e.cache
+        yield GaugeMetricFamily("jax_kv_requests_running", "Requests holding a slot",
+                                value=e.num_running)  # fmt: skip
+        yield GaugeMetricFamily("jax_kv_requests_waiting", "Requests queued",
+                                value=e.num_waiting)  # fmt: skip
+        if not cache.closed:
+            yield GaugeMetricFamily(
+                "jax_kv_kv_committed_bytes",
+                "Physical KV bytes of the cache",
+                value=cache.committed_bytes,
+            )
+            yield GaugeMetricFamily(
+                "jax_kv_kv_held_bytes", "KV bytes the slots' granules take", value=cache.held_bytes
+            )
+            yield GaugeMetricFamily("jax_kv_kv_live_bytes", "KV bytes of the live tokens",
+                                    value=cache.live_bytes)  # fmt: skip
+        tokens = s.decode_tokens
+        now = time.monotonic()
+        t_last, n_last = self._last
+        rate = (tokens - n_last) / (now - t_last) if now > t_last else 0.0
+        self._last = (now, tokens)
+        yield GaugeMetricFamily(
+            "jax_kv_generation_tokens_per_second",
+            "Decode tokens per second since the previous scrape",
+            value=rate,
+        )
+        yield CounterMetricFamily("jax_kv_generation_tokens", "Tokens the decode steps made",
+                                  value=s.decode_tokens)  # fmt: skip
+        yield CounterMetricFamily("jax_kv_prompt_tokens", "Prompt tokens prefilled",
+                                  value=s.prefill_tokens)  # fmt: skip
+        yield CounterMetricFamily("jax_kv_preemptions", "Requests preempted for memory",
+                                  value=s.preemptions)  # fmt: skip
+        yield CounterMetricFamily("jax_kv_decode_compiles", "Compiles of the decode step",
+                                  value=s.decode_compiles)  # fmt: skip
+        finished = CounterMetricFamily("jax_kv_requests_finished", "Requests ended, by reason",
+                                       labels=["finish_reason"])  # fmt: skip
+        for reason, n in sorted(s.finished.items()):
+            finished.add_metric([reason], n)
+        yield finished
+
+
+class ServerMetrics:
+    def __init__(self, engine: Any) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        r = self.registry
+        self.ttft = Histogram("jax_kv_time_to_first_token_seconds",
+                              "Request received to first token", buckets=_TTFT_BUCKETS,
+                              registry=r)  # fmt: skip
+        self.itl = Histogram("jax_kv_inter_token_latency_seconds",
+                             "Between tokens of a request", buckets=_ITL_BUCKETS,
+                             registry=r)  # fmt: skip
+        self.http = Counter("jax_kv_http_requests", "Generation requests by outcome",
+                            ["outcome"], registry=r)  # fmt: skip
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def admitted(self) -> None:
+        self.http.labels("admitted").inc()
+
+    def refused(self, status: int) -> None:
+        self.http.labels(str(status)).inc()
+
+    def finished(self, completion: Any) -> None:
+        self.http.labels(completion.finish_reason).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
