@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from typing import Any
 
 import uvicorn
@@ -52,6 +54,11 @@ def run(
         f"max_len {engine.max_len}); /health answers 200 once warmed up",
         file=sys.stderr,
     )
+    # uvicorn re-raises the stop signal to the handler it found once its graceful shutdown
+    # is done (so a default handler would kill the process with it); a drained SIGTERM is a
+    # normal exit here, status 0.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         server.run()
     finally:

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+_TYPES = ("str", "int", "float", "bool", "list", "dict")
 
 
 class APIError(Exception):
@@ -97,11 +98,18 @@ def parse(model: type[BaseModel], raw: bytes) -> Any:
     try:
         return model.model_validate_json(raw, strict=True)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = [str(x) for x in err.get("loc", ()) if not str(x).startswith("function-")]
-        # A union names its member types in the location (str, list[int], ...): drop them.
-        loc = [x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int")]
-        param = ".".join(loc) or None
+
+        def where(err: Any) -> list[str]:
+            # A union names its member types in the location (str, list[int], ...): dropped.
+            loc = [str(x) for x in err.get("loc", ())]
+            return [x for x in loc if not any(c in x for c in "[]-") and x not in _TYPES]
+
+        # A union reports one error per member: the deepest says what was wrong.
+        errors = e.errors()
+        first = where(errors[0])[:1]
+        same = [x for x in errors if where(x)[:1] == first]
+        err = max(same, key=lambda x: len(where(x)))
+        param = ".".join(where(err)) or None
         if err.get("type") == "json_invalid":
             raise APIError(400, f"the body is not valid JSON: {err.get('msg')}") from None
         message = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
