@@ -247,10 +247,16 @@ def serve(args: argparse.Namespace) -> int:
     import jax_kv.models as jm
 
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
-    model = jm.load(args.model, dtype=dtype) if args.model else jm.default(dtype=dtype)
-    name = args.served_model_name or (
-        Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
-    )
+    if args.random_weights:
+        if args.model:
+            raise UserError("--random-weights: give it or --model, not both")
+        model = jm.random_model(args.random_weights, dtype=dtype)
+        name = args.served_model_name or f"random-{args.random_weights}"
+    else:
+        model = jm.load(args.model, dtype=dtype) if args.model else jm.default(dtype=dtype)
+        name = args.served_model_name or (
+            Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
+        )
     return server_main.run(
         model, model_name=name, host=args.host, port=args.port, max_slots=args.max_slots,
         max_len=args.max_len, prefill_chunk_tokens=args.prefill_chunk_tokens,
@@ -266,6 +272,12 @@ def demo(args: argparse.Namespace) -> int:
     print(f"jax {jax.__version__} on {jax.default_backend()}")
     demo_mod.run(steps=args.steps)
     return 0
+
+
+def jm_presets() -> list[str]:
+    from jax_kv.models.config import PRESETS
+
+    return list(PRESETS)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -335,6 +347,12 @@ def _parser() -> argparse.ArgumentParser:
         "serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)"
     )
     s.add_argument("--model", help="a checkpoint directory or .gguf (default: SmolLM2-135M)")
+    s.add_argument(
+        "--random-weights",
+        choices=sorted(jm_presets()),
+        default=None,
+        help="serve random weights of a preset shape (benchmarks; prompts as token ids)",
+    )
     s.add_argument("--served-model-name", default=None, help="the name clients use")
     s.add_argument("--host", default="127.0.0.1", help="default: localhost only")
     s.add_argument("--port", type=_int_arg(0, 65535), default=8000)
