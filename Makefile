@@ -1,5 +1,6 @@
 # The two commands of the README, each doing all its set-up on a fresh machine:
 #   make demo   builds jax_kv into .venv and generates with the default model (SmolLM2-135M)
+#   make serve  the same, then serves it at http://127.0.0.1:8000/v1 (OpenAI's API)
 #   make test   builds jax_kv into .venv, checks formatting and lint, installs the wheel into a
 #               clean venv and generates from outside the source tree (make wheel-smoke),
 #               then runs the test suite
@@ -12,7 +13,7 @@ SOURCES := $(shell git ls-files 'ffi/*' 'cuda/*' 'cmake/*' CMakeLists.txt pyproj
 PY_FILES := jax_kv tests bench
 CXX_FILES := $(shell git ls-files '*.cc' '*.h' '*.cu' '*.cuh' 2>/dev/null)
 
-.PHONY: install install-test demo test lint wheel-smoke format clean
+.PHONY: install install-test demo serve test lint wheel-smoke format clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +36,11 @@ install-test: $(VENV)/.installed-test
 
 demo: install
 	$(BIN)/python -m jax_kv generate --max-new-tokens 32
+
+# The OpenAI-compatible server on the default model (the serve extra: Starlette, uvicorn).
+serve: install
+	$(BIN)/pip install -q --no-build-isolation -C build-dir=build/venv -e ".[serve]"
+	$(BIN)/python -m jax_kv serve
 
 lint: install-test
 	$(BIN)/ruff check $(PY_FILES)
