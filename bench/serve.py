@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dense_slots import DenseSlotEngine  # noqa: E402
 
 import jax_kv.models as jm  # noqa: E402
+from jax_kv import _ffi  # noqa: E402
 from jax_kv.decode import Generator  # noqa: E402
 from jax_kv.engine import Engine  # noqa: E402
 
@@ -123,6 +124,9 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args) -> dict:
         held, committed, live_kv, floors, roofline = [], [], [], [], []
         host, steps = [], []
         wbytes = weight_bytes(eng.params)
+        cuda = _ffi.cuda_module()
+        calls = (lambda: int(sum(cuda.host_calls().values()))) if cuda is not None else None
+        host_calls: list[int] = []  # per decode-only step: 0 = the recorded graph replayed
         nxt, t0 = 0, time.perf_counter()
         while nxt < n or eng.has_work():
             now = time.perf_counter() - t0
@@ -135,6 +139,7 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args) -> dict:
                 time.sleep(max(0.0, min(0.01, arrivals[order[nxt]] - now)))
                 continue
             live_before = cache.live_bytes
+            calls0 = calls() if calls else 0
             eng.step()
             t = time.perf_counter() - t0
             for i in list(live):
@@ -143,13 +148,15 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args) -> dict:
                 if reqs[i].done:
                     live.discard(i)
             rec = eng.last_step
-            in_use = sum(s is not None for s in eng._slots)
+            in_use = eng.num_running
             held.append(cache.held_bytes)
             committed.append(cache.committed_bytes)
             live_kv.append(cache.live_bytes)
             floors.append(cache.floor_bytes(in_use))
             host.append(rec.seconds - rec.prefill_seconds - rec.decode_seconds)
             steps.append(rec.seconds)
+            if calls and rec.prefill_tokens == 0 and rec.decode_rows:
+                host_calls.append(calls() - calls0)
             if (
                 rec.prefill_tokens == 0
                 and rec.decode_rows >= 0.9 * args.slots
@@ -180,6 +187,8 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args) -> dict:
             host_fraction=float(np.sum(host) / np.sum(steps)),
             decode_roofline_ratio=float(np.median(roofline)) if roofline else None,
             arena="vmm" if cache.is_vmm else "eager",
+            decode_steps_rerecorded=sum(1 for c in host_calls if c) if calls else None,
+            decode_only_steps=len(host_calls) if calls else None,
         )
         return out
     finally:

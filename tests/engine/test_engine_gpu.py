@@ -95,3 +95,26 @@ def test_cancel_returns_the_slots_granules_within_one_step(model, rng):
     finally:
         eng.close()
         arena.close()
+
+
+def test_bf16_first_32_tokens_agree_with_generator_for_99_percent(rng):
+    """bf16 on the GPU: a request's rows are batched with others' (other GEMM shapes, other
+    cuBLAS algorithms, other bf16 roundings), so a near-tie may flip; the issue's bar is the
+    first 32 tokens equal for >= 99% of requests."""
+    from jax_kv.memory import VmmArena
+
+    config = dataclasses.replace(jm.PRESETS["tiny-llama"], max_position_embeddings=4096)
+    model = jm.random_model(config, seed=11, dtype=jnp.bfloat16)
+    lengths = [int(n) for n in rng.integers(1, 300, 100)]
+    ps = prompts(rng, model, lengths)
+    arena = VmmArena(pool_bytes=0)
+    with Engine(model, max_slots=16, max_len=512, prefill_chunk_tokens=256, arena=arena) as eng:
+        reqs = [eng.submit(p, 32, stop_token_ids=[]) for p in ps]
+        eng.run_until_idle()
+    gen = Generator(model, arena=arena, max_len=512)
+    differ = [
+        i for i, (p, r) in enumerate(zip(ps, reqs, strict=True))
+        if r.result().tokens != gen.generate([p], 32, stop_tokens=[]).tokens[0]
+    ]  # fmt: skip
+    assert len(differ) <= 1, f"requests {differ} differ from Generator's first 32 tokens"
+    arena.close()
