@@ -209,8 +209,11 @@ class Engine:
         self._slots: list[_Seq | None] = [None] * self.max_slots  # the step's thread only
         self._admissions = 0
         self._traces = {"prefill": 0, "decode": 0}
-        self._prefill = jax.jit(self._prefill_fn(), donate_argnums=(3,))
-        self._decode = jax.jit(self._decode_fn(), donate_argnums=(2,))
+        # The caches are donated: XLA writes the arena's memory in place (SlotCache.writes_back:
+        # the host driver's stand-in, which copies instead).
+        donate = not self.cache.writes_back
+        self._prefill = jax.jit(self._prefill_fn(), donate_argnums=(3,) if donate else ())
+        self._decode = jax.jit(self._decode_fn(), donate_argnums=(2,) if donate else ())
         # Per-slot sampling parameters, rewritten at admission.
         B = self.max_slots
         self._temperature = np.zeros((B,), np.float32)

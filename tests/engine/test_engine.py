@@ -21,7 +21,7 @@ from jax_kv.engine import (
     QueueFull,
     RequestError,
 )
-from jax_kv.memory import EagerArena
+from jax_kv.memory import EagerArena, host_arena
 
 MAX_LEN = 256
 
@@ -41,12 +41,33 @@ def token_bytes(model):
     return c.num_kv_heads * c.head_dim * 4
 
 
-def engine(model, **kw):
-    kw.setdefault("max_slots", 3)
-    kw.setdefault("max_len", MAX_LEN)
-    kw.setdefault("prefill_chunk_tokens", 32)
-    kw.setdefault("granule_bytes", 16 * token_bytes(model))  # 16 tokens per granule
-    return Engine(model, arena=EagerArena(), **kw)
+@pytest.fixture(params=["eager", "host"])
+def engine(request):
+    """Builds engines on the eager arena (dense rows, granules counted) or on the host
+    driver's VmmArena (granules committed and unmapped per slot, as on CUDA; the steps' caches
+    written back, see SlotCache.writes_back); 16 tokens per granule either way."""
+    made = []
+
+    def build(model, **kw):
+        kw.setdefault("max_slots", 3)
+        kw.setdefault("max_len", MAX_LEN)
+        kw.setdefault("prefill_chunk_tokens", 32)
+        granule = 16 * token_bytes(model)
+        if request.param == "eager":
+            arena = EagerArena()
+            kw.setdefault("granule_bytes", granule)
+        else:
+            arena = host_arena(reserve_bytes=1 << 30, granule=granule)
+        eng = Engine(model, arena=arena, **kw)
+        made.append((eng, arena))
+        return eng
+
+    yield build
+    for eng, arena in made:
+        eng.close()
+        if request.param == "host":
+            assert eng.cache.closed and arena.committed_bytes == 0
+            arena.close()
 
 
 def prompts(rng, model, lengths):
@@ -62,7 +83,7 @@ def step_checked(eng):
     eng.check_memory()
 
 
-def test_greedy_tokens_equal_generator_in_any_arrival_order(model, generator, rng):
+def test_greedy_tokens_equal_generator_in_any_arrival_order(model, generator, rng, engine):
     """Requests arrive while others run (some between steps), prompts span several chunks
     (32 tokens) and granules (16 tokens): each request's tokens equal it generated alone."""
     ps = prompts(rng, model, [5, 70, 17, 1, 33, 48, 16])
@@ -86,7 +107,7 @@ def test_greedy_tokens_equal_generator_in_any_arrival_order(model, generator, rn
         assert eng.cache.held_bytes == 0 and eng.cache.live_bytes == 0
 
 
-def test_preemption_keeps_tokens_and_memory_within_the_budget(model, generator, rng):
+def test_preemption_keeps_tokens_and_memory_within_the_budget(model, generator, rng, engine):
     """A budget of 12 granules per binding for 3 slots: the running requests outgrow it, the
     youngest are preempted (granules released, tokens kept) and re-prefilled later; tokens
     still equal Generator's, held memory never passes the budget."""
@@ -108,7 +129,7 @@ def test_preemption_keeps_tokens_and_memory_within_the_budget(model, generator, 
         assert eng.stats.decode_compiles == 1
 
 
-def test_memory_invariant_and_compiles_over_a_random_schedule(model, rng):
+def test_memory_invariant_and_compiles_over_a_random_schedule(model, rng, engine):
     """200 requests of random lengths arriving at random steps, a few cancelled: after every
     step the slots hold at most live bytes + one granule per (binding, slot in use); one
     decode compile; every request ends with a reason."""
@@ -131,7 +152,7 @@ def test_memory_invariant_and_compiles_over_a_random_schedule(model, rng):
         assert eng.cache.held_bytes == 0
 
 
-def test_cancel_a_queued_and_a_running_request(model, rng):
+def test_cancel_a_queued_and_a_running_request(model, rng, engine):
     ps = prompts(rng, model, [10, 10, 10])
     with engine(model, max_slots=1) as eng:
         running = eng.submit(ps[0], 50, stop_token_ids=[])
@@ -153,7 +174,7 @@ def test_cancel_a_queued_and_a_running_request(model, rng):
         assert late.result().finish_reason == FINISH_LENGTH
 
 
-def test_stop_token_ends_a_request_and_is_kept(model, generator, rng):
+def test_stop_token_ends_a_request_and_is_kept(model, generator, rng, engine):
     p = prompts(rng, model, [12])[0]
     free = alone(generator, p, 10)
     stop = free[4]
@@ -165,7 +186,7 @@ def test_stop_token_ends_a_request_and_is_kept(model, generator, rng):
     assert c.finish_reason == FINISH_STOP and c.tokens == free[: k + 1]
 
 
-def test_submit_refusals_name_the_numbers(model):
+def test_submit_refusals_name_the_numbers(model, engine):
     with engine(model, max_queue=2) as eng:
         with pytest.raises(ValueError, match=r"prompt: 250 tokens \+ max_new_tokens 7 = 257 "
                            r"exceeds max_len=256"):  # fmt: skip
@@ -194,7 +215,7 @@ def test_submit_refusals_name_the_numbers(model):
         eng.submit([1] * 60, 5)  # 64 tokens: fits
 
 
-def test_bad_engine_arguments(model):
+def test_bad_engine_arguments(model, engine):
     for kw, match in [
         (dict(max_slots=0), r"max_slots: expected an int >= 1, got 0"),
         (dict(prefill_chunk_tokens=8), r"prefill_chunk_tokens: expected an int >= 16, got 8"),
@@ -207,7 +228,7 @@ def test_bad_engine_arguments(model):
         Engine(object())
 
 
-def test_per_request_sampling_does_not_depend_on_companions(model, rng):
+def test_per_request_sampling_does_not_depend_on_companions(model, rng, engine):
     """A seeded sampled request gives the same tokens alone and beside others (its key is
     folded from its seed and the token's position, not from the slot or the step)."""
     p, q = prompts(rng, model, [9, 21])
@@ -230,7 +251,7 @@ def test_per_request_sampling_does_not_depend_on_companions(model, rng):
     assert greedy.result().finish_reason == FINISH_LENGTH
 
 
-def test_background_driver_streams_in_order_from_many_threads(model, rng):
+def test_background_driver_streams_in_order_from_many_threads(model, rng, engine):
     ps = prompts(rng, model, [int(n) for n in rng.integers(1, 50, 24)])
     with engine(model, max_slots=4) as eng:
         eng.start()
@@ -255,7 +276,7 @@ def test_background_driver_streams_in_order_from_many_threads(model, rng):
             eng.submit([1], 2)
 
 
-def test_shutdown_without_drain_cancels(model, rng):
+def test_shutdown_without_drain_cancels(model, rng, engine):
     ps = prompts(rng, model, [20, 20, 20, 20])
     with engine(model, max_slots=2) as eng:
         reqs = [eng.submit(p, 200 - 20) for p in ps]
@@ -265,7 +286,7 @@ def test_shutdown_without_drain_cancels(model, rng):
         assert eng.cache.held_bytes == 0
 
 
-def test_a_failed_step_ends_every_request_with_its_error(model, rng):
+def test_a_failed_step_ends_every_request_with_its_error(model, rng, engine):
     ps = prompts(rng, model, [8, 8, 8, 8, 8])
     with engine(model, max_slots=2) as eng:
         reqs = [eng.submit(p, 20, stop_token_ids=[]) for p in ps]
