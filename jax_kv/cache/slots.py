@@ -53,6 +53,9 @@ class SlotCache:
             most one slot's bytes; ignored on VMM, where it is the arena's granule).
         budget_bytes: the most bytes the slots may hold together (all bindings); default:
             on VMM what the arena can commit, on the eager path every slot at max_len.
+        store_blocks: blocks the prefix store can hold (VMM only; 0: no store). A block is
+            the fewest tokens that fill whole granules (`block_tokens`); the store maps
+            blocks of the slots' granules (no copy), and maps them into other slots.
     """
 
     layout = Layout.SEQ_MAJOR
@@ -69,6 +72,7 @@ class SlotCache:
         arena: Any = None,
         granule_bytes: int | None = None,
         budget_bytes: int | None = None,
+        store_blocks: int = 0,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -113,6 +117,21 @@ class SlotCache:
         self.granules = np.zeros((self.num_slots,), np.int64)  # per binding, per slot
         self.regions: list[Region] = []
         self._control: Region | None = None
+        # The prefix store (VMM): blocks of whole granules, mapped from a slot that wrote them
+        # and into slots that start with the same tokens. Physical granules are counted once.
+        step_tokens = math.lcm(self.granule, self.token_bytes) // self.token_bytes
+        self.block_tokens = step_tokens
+        self.block_granules = step_tokens * self.token_bytes // self.granule
+        self.store_blocks = int(store_blocks)
+        if self.store_blocks and not self.is_vmm:
+            raise ValueError("store_blocks: the prefix store needs a VmmArena (shared granules)")
+        self.store: list[Region] = []
+        self._store_free = list(range(self.store_blocks - 1, -1, -1))
+        self.store_owner: dict[int, tuple[int, int]] = {}  # store block -> (slot, block) it maps
+        self.store_refs = np.zeros((self.store_blocks,), np.int64)  # slots mapping each block
+        self.slot_cached: list[dict[int, int]] = [{} for _ in range(self.num_slots)]
+        self.slot_shared: list[list[int]] = [[] for _ in range(self.num_slots)]
+        self._physical = 0  # physical granules per binding: own slot granules + ownerless store
         self.k: list[jax.Array] = []
         self.v: list[jax.Array] = []
         self.committed: jax.Array | None = None
@@ -148,6 +167,9 @@ class SlotCache:
             # Its address (held by a recorded CUDA graph) never changes: the host rewrites it.
             self.committed = self._control.export((self.num_slots,), jnp.int32)
             arrays = [r.export(self.shape, self.dtype) for r in self.regions]
+            block_bytes = self.block_tokens * self.token_bytes
+            for _ in range(self.bindings if self.store_blocks else 0):
+                self.store.append(arena.allocate(self.store_blocks * block_bytes))
         else:
             arrays = [self.arena.zeros(self.shape, self.dtype) for _ in range(self.bindings)]
             self.committed = jnp.zeros((self.num_slots,), jnp.int32)
@@ -171,11 +193,11 @@ class SlotCache:
                     a.delete()
         arrays.clear()
         if self.is_vmm:
-            regions = [*self.regions, *([self._control] if self._control else [])]
+            regions = [*self.regions, *self.store, *([self._control] if self._control else [])]
             self.arena.wait_unviewed(regions)
             for r in regions:
                 r.free()
-            self.regions, self._control = [], None
+            self.regions, self.store, self._control = [], [], None
 
     def __enter__(self) -> SlotCache:
         return self
@@ -211,15 +233,36 @@ class SlotCache:
 
     @property
     def held_bytes(self) -> int:
-        """Bytes the slots' granules take, all bindings: what admission counts."""
-        return int(self.granules.sum()) * self.bindings * self.granule
+        """Bytes the slots' and the store's granules take, all bindings, a shared granule
+        once: what admission counts."""
+        return self._physical * self.bindings * self.granule
 
     @property
     def committed_bytes(self) -> int:
-        """Physical KV bytes: the regions' granules on VMM, the dense buffers otherwise."""
+        """Physical KV bytes: the regions' distinct granules on VMM (read from the arena),
+        the dense buffers otherwise."""
         if self.is_vmm:
-            return sum(r.committed_bytes for r in self.regions)
+            return self.arena.physical_bytes([*self.regions, *self.store])
         return sum(a.nbytes for a in (*self.k, *self.v))
+
+    @property
+    def cached_only_bytes(self) -> int:
+        """Bytes of store blocks no slot maps or owns: what evicting them gives back."""
+        used = set(range(self.store_blocks)) - set(self._store_free)
+        n = sum(1 for s in used if s not in self.store_owner and not self.store_refs[s])
+        return n * self.block_granules * self.bindings * self.granule
+
+    @property
+    def live_unique_bytes(self) -> int:
+        """KV bytes of the live tokens, all bindings, a token of a shared block once."""
+        tokens = sum(self.own_tokens(b) for b in range(self.num_slots))
+        shared = {s for blocks in self.slot_shared for s in blocks}
+        tokens += len(shared - set(self.store_owner)) * self.block_tokens
+        return tokens * self.token_bytes * self.bindings
+
+    def own_tokens(self, b: int) -> int:
+        """Live tokens of slot b past the blocks it maps from the store."""
+        return max(0, int(self.lengths[b]) - len(self.slot_shared[b]) * self.block_tokens)
 
     @property
     def live_bytes(self) -> int:
@@ -282,6 +325,7 @@ class SlotCache:
                 [(r, base + have * self.granule, base + need * self.granule) for r in self.regions]
             )
         self.granules[b] = need
+        self._physical += need - have
         self._write_committed()
         return need - have
 
@@ -294,12 +338,78 @@ class SlotCache:
         self.lengths[b] = 0
         if held == 0:
             return 0
+        shared = len(self.slot_shared[b]) * self.block_granules
+        cached = len(self.slot_cached[b]) * self.block_granules
+        for s in self.slot_shared[b]:
+            self.store_refs[s] -= 1
+        for s in self.slot_cached[b].values():
+            del self.store_owner[s]  # the store's mapping keeps those granules
+        self.slot_shared[b], self.slot_cached[b] = [], {}
+        freed = held - shared - cached
+        self._physical -= freed
         self.granules[b] = 0
         self._write_committed()  # the bound first: no later step may write the slot
         if self.is_vmm:
             base = b * self.slot_bytes
             self.arena.decommit_now([(r, base, base + held * self.granule) for r in self.regions])
-        return held * self.granule * self.bindings
+        return freed * self.granule * self.bindings
+
+    # -- the prefix store (VMM) ----------------------------------------------------------------
+
+    def _block_bytes(self) -> int:
+        return self.block_granules * self.granule
+
+    def cache_block(self, b: int, k: int) -> int | None:
+        """Maps slot b's block k (whole granules it committed and wrote) into a free store
+        block, without a copy; returns the store block, or None if the store is full."""
+        if not self._store_free:
+            return None
+        if (k + 1) * self.block_granules > int(self.granules[b]) or k < len(self.slot_shared[b]):
+            raise ValueError(f"cache_block: block {k} of slot {b} is not its own and committed")
+        s, n = self._store_free[-1], self._block_bytes()
+        for slot_region, store_region in zip(self.regions, self.store, strict=True):
+            self.arena.share(slot_region, b * self.slot_bytes + k * n, store_region, s * n, n)
+        self._store_free.pop()
+        self.store_owner[s] = (b, k)
+        self.slot_cached[b][k] = s
+        return s
+
+    def map_cached(self, b: int, blocks: list[int]) -> None:
+        """Maps store blocks (in order) as the first blocks of free slot b, read-only: the
+        slot then starts with their tokens, computed once by another request."""
+        if self.granules[b] or not blocks:
+            raise ValueError(f"map_cached: slot {b} must be free and blocks non-empty")
+        n = self._block_bytes()
+        done: list[tuple[Region, int, int]] = []
+        try:
+            for i, s in enumerate(blocks):
+                for slot_region, store_region in zip(self.regions, self.store, strict=True):
+                    dst = b * self.slot_bytes + i * n
+                    self.arena.share(store_region, s * n, slot_region, dst, n)
+                    done.append((slot_region, dst, dst + n))
+        except BaseException:
+            self.arena.decommit_now(done)
+            raise
+        for s in blocks:
+            self.store_refs[s] += 1
+        self.slot_shared[b] = list(blocks)
+        self.granules[b] = len(blocks) * self.block_granules
+        self._write_committed()
+
+    def evict(self, s: int) -> int:
+        """Drops store block s (no slot may map it); returns the physical bytes freed (0 when
+        the slot that wrote it still holds them)."""
+        if self.store_refs[s]:
+            raise ValueError(f"evict: store block {s} is mapped by {self.store_refs[s]} slot(s)")
+        n = self._block_bytes()
+        self.arena.decommit_now([(r, s * n, s * n + n) for r in self.store])
+        self._store_free.append(s)
+        owner = self.store_owner.pop(s, None)
+        if owner is not None:
+            del self.slot_cached[owner[0]][owner[1]]
+            return 0
+        self._physical -= self.block_granules
+        return self.block_granules * self.granule * self.bindings
 
     def _write_committed(self) -> None:
         values = np.ascontiguousarray(self.committed_tokens(), np.int32)
@@ -342,8 +452,10 @@ class SlotCache:
         for region, out in zip(self.regions, outputs, strict=True):
             data = np.asarray(out).reshape(-1).view(np.uint8)
             for b in np.flatnonzero(self.granules):
-                lo = int(b) * self.slot_bytes
-                n = int(self.granules[b]) * self.granule
+                # The leading shared blocks are mapped read-only and no step writes them.
+                skip = len(self.slot_shared[b]) * self._block_bytes()
+                lo = int(b) * self.slot_bytes + skip
+                n = int(self.granules[b]) * self.granule - skip
                 self.arena.write(region.ptr + lo, data[lo : lo + n].tobytes())
                 self.write_back_bytes += n
             del data

@@ -35,6 +35,7 @@ from jax_kv.cache import SlotCache, bucket_for
 from jax_kv.decode.generator import STATUS_CAUSES, StepStatusError
 from jax_kv.decode.protocol import DecoderModel
 from jax_kv.decode.sampling import GREEDY, Sampling, sample_rows
+from jax_kv.engine.prefix import PrefixCache
 from jax_kv.engine.request import (
     FINISH_CANCELLED,
     FINISH_ERROR,
@@ -46,7 +47,7 @@ from jax_kv.engine.request import (
     TextStream,
 )
 from jax_kv.layout import Layout
-from jax_kv.memory import ArenaExhausted
+from jax_kv.memory import ArenaExhausted, VmmArena
 
 PREFILL_MIN_TOKENS = 16  # the smallest prefill bucket
 DEFAULT_MAX_LEN = 4096  # when neither the caller nor the model bounds a sequence lower
@@ -108,6 +109,7 @@ class _Seq:
     cached: int = 0  # tokens of prompt + generated in the slot's cache
     admitted: int = -1  # admission order: the largest is the youngest
     preemptions: int = 0
+    blocks: list = dataclasses.field(default_factory=list)  # prefix blocks its slot holds
 
     @property
     def context_len(self) -> int:
@@ -122,6 +124,18 @@ class _Seq:
     def token_at(self, i: int) -> int:
         n = len(self.prompt)
         return self.prompt[i] if i < n else self.generated[i - n]
+
+
+def _default_is_vmm() -> bool:
+    from jax_kv.cache.kv_cache import default_arena
+
+    return isinstance(default_arena(), VmmArena)
+
+
+def _store_blocks(slots: int, max_len: int) -> int:
+    """The prefix store's blocks: as many as every slot full (virtual space only; a block
+    costs memory only while cached)."""
+    return slots * max_len
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -151,6 +165,9 @@ class Engine:
             commit; on the eager path every slot at max_len).
         granule_bytes: the eager path's accounting granule (SlotCache).
         fuse_projections: as in Generator.
+        prefix_cache: share the K/V of common prompt prefixes between requests (whole
+            blocks of granules mapped into each slot, jax_kv.engine.prefix); needs a
+            VmmArena; default: on where the arena is one.
     """
 
     def __init__(
@@ -165,6 +182,7 @@ class Engine:
         kv_budget_bytes: int | None = None,
         granule_bytes: int | None = None,
         fuse_projections: bool = True,
+        prefix_cache: bool | None = None,
     ) -> None:
         if not isinstance(model, DecoderModel):
             raise ValueError(
@@ -188,6 +206,11 @@ class Engine:
             )
         self.model = model
         self.params = model.fused_params() if fuse_projections else model.params
+        vmm = isinstance(arena, VmmArena) or (arena is None and _default_is_vmm())
+        if prefix_cache is None:
+            prefix_cache = vmm
+        elif prefix_cache and not vmm:
+            raise ValueError("prefix_cache: sharing granules between slots needs a VmmArena")
         self.cache = SlotCache(
             num_layers=config.num_layers,
             num_slots=self.max_slots,
@@ -198,7 +221,9 @@ class Engine:
             arena=arena,
             granule_bytes=granule_bytes,
             budget_bytes=kv_budget_bytes,
+            store_blocks=_store_blocks(self.max_slots, self.max_len) if prefix_cache else 0,
         )
+        self.prefix = PrefixCache(self.cache) if prefix_cache else None
         self.stats = EngineStats()
         self.last_step = StepRecord()
         self._lock = threading.Lock()
@@ -469,14 +494,20 @@ class Engine:
                     break
                 seq = self._queue[0]
             b = self._slots.index(None)
-            n = min(seq.prefill_target, room)
+            hits = self._lookup(seq)
+            start = len(hits) * (self.prefix.block_tokens if hits else 0)
+            n = min(seq.prefill_target - start, room)
             try:
-                self.cache.ensure_slot(b, n)
+                if hits:
+                    self.cache.map_cached(b, [h.store for h in hits])
+                self._commit(b, start + n)
             except ArenaExhausted:
+                self.cache.release_slot(b)  # the mapped prefix too
                 break  # FIFO: the head waits for memory, and so does everyone behind it
             with self._lock:
                 self._queue.popleft()
-            seq.slot, seq.cached = b, 0
+            seq.slot, seq.cached, seq.blocks = b, start, hits
+            self.cache.lengths[b] = start
             seq.admitted = self._admissions
             self._admissions += 1
             self._slots[b] = seq
@@ -488,13 +519,49 @@ class Engine:
             room -= n
         return room
 
+    def _lookup(self, seq: _Seq) -> list:
+        """The cached blocks seq's tokens start with, leaving at least one token to prefill
+        (its logits give the next token)."""
+        if self.prefix is None:
+            return []
+        most = (seq.prefill_target - 1) // self.prefix.block_tokens
+        return self.prefix.lookup(seq.token_at, most) if most > 0 else []
+
+    def _commit(self, b: int, tokens: int) -> None:
+        """ensure_slot, evicting cached prefix blocks no slot maps before giving up."""
+        try:
+            self.cache.ensure_slot(b, tokens)
+        except ArenaExhausted:
+            if self.prefix is None:
+                raise
+            need = self.cache.bytes_for(tokens) - int(self.cache.granules[b]) * (
+                self.cache.bindings * self.cache.granule
+            )
+            if self.prefix.evict_for(need) == 0:
+                raise
+            self.cache.ensure_slot(b, tokens)
+
+    def _cache_blocks(self, seq: _Seq) -> None:
+        """Puts seq's newly written full blocks in the prefix cache."""
+        if self.prefix is None or seq.slot is None:
+            return
+        bt = self.prefix.block_tokens
+        for k in range(len(seq.blocks), seq.cached // bt):
+            tokens = tuple(seq.token_at(i) for i in range(k * bt, (k + 1) * bt))
+            parent = seq.blocks[-1] if seq.blocks else None
+            block = self.prefix.insert(seq.slot, k, parent, tokens)
+            if block is None:
+                return  # the store is full of blocks in use
+            seq.blocks.append(block)
+
     def _reserve(self, seq: _Seq, tokens: int) -> bool:
-        """Commits what seq's slot needs for `tokens` tokens, preempting younger slot holders
-        while memory is short; False if even that cannot make room."""
+        """Commits what seq's slot needs for `tokens` tokens, evicting unused cached prefix
+        blocks, then preempting younger slot holders while memory is short; False if even
+        that cannot make room."""
         assert seq.slot is not None
         while True:
             try:
-                self.cache.ensure_slot(seq.slot, tokens)
+                self._commit(seq.slot, tokens)
                 return True
             except ArenaExhausted:
                 younger = [s for s in self._active() if s.admitted > seq.admitted]
@@ -508,7 +575,7 @@ class Engine:
         assert seq.slot is not None
         self.cache.release_slot(seq.slot)
         self._slots[seq.slot] = None
-        seq.slot, seq.cached = None, 0
+        seq.slot, seq.cached, seq.blocks = None, 0, []
         seq.preemptions += 1
         self.stats.preemptions += 1
         with self._lock:
@@ -570,6 +637,7 @@ class Engine:
                 continue
             seq.cached += int(counts[b])
             self.cache.lengths[b] = seq.cached
+            self._cache_blocks(seq)
             if seq.cached == seq.prefill_target and not seq.generated:
                 self._emit(seq, int(sampled[b]))
         return real, device
@@ -615,6 +683,7 @@ class Engine:
                 continue
             seq.cached += 1
             self.cache.lengths[b] = seq.cached
+            self._cache_blocks(seq)
             self.stats.decode_tokens += 1
             self._emit(seq, int(sampled[b]))
         return len(rows), device
@@ -725,15 +794,18 @@ class Engine:
     # -- memory ---------------------------------------------------------------------------
 
     def check_memory(self) -> None:
-        """Asserts the slots hold no more than their live tokens plus one granule per
-        (binding, slot in use), and on VMM that the arena's bytes are the slots'."""
+        """Asserts the cache holds no more than its live tokens (a shared block's once) plus
+        one granule per (binding, slot in use) plus the cached prefix blocks no slot maps, and
+        on VMM that the arena's physical bytes are what the cache counts."""
         cache = self.cache
         in_use = sum(s is not None for s in self._slots)
-        limit = cache.live_bytes + cache.floor_bytes(in_use)
+        live = cache.live_unique_bytes
+        limit = live + cache.floor_bytes(in_use) + cache.cached_only_bytes
         if cache.held_bytes > limit:
             raise AssertionError(
-                f"KV memory: {cache.held_bytes} bytes held > live {cache.live_bytes} + "
-                f"{cache.floor_bytes(in_use)} (one granule per binding and slot in use)"
+                f"KV memory: {cache.held_bytes} bytes held > live {live} + "
+                f"{cache.floor_bytes(in_use)} (one granule per binding and slot in use) + "
+                f"{cache.cached_only_bytes} (prefix blocks no slot maps)"
             )
         if cache.is_vmm and cache.committed_bytes != cache.held_bytes:
             raise AssertionError(

@@ -408,6 +408,16 @@ class VmmArena:
         """Physical bytes mapped: a handle mapped at several addresses counts once."""
         return len(self._state.refs) * self.granule
 
+    def physical_bytes(self, regions: Iterable[Region]) -> int:
+        """Physical bytes mapped in `regions`: a handle mapped at several of their addresses
+        (a shared granule) counts once. O(mapped granules of the arena)."""
+        g = self.granule
+        spans = [(r.offset // g, (r.offset + r.reserved_bytes) // g) for r in regions]
+        with self._lock:
+            mapped = self._state.mapped.items()
+            handles = {id(h) for i, h in mapped if any(lo <= i < hi for lo, hi in spans)}
+        return len(handles) * g
+
     @property
     def live_views(self) -> int:
         return len(self._views)

@@ -1,0 +1,137 @@
+"""The engine's prefix cache: full blocks of requests' tokens, held once in the SlotCache's
+store and mapped into every slot whose tokens start the same way (no page table: a slot is a
+virtual range, so a shared block is ordinary cache memory to the kernels).
+
+A block is `SlotCache.block_tokens` tokens (the fewest that fill whole granules: 1,024 for
+Llama-3-8B's 8x128 bf16 heads, 8,192 for Qwen2.5-0.5B's 2x64, on a 2 MiB granule). Blocks are
+indexed by a chained hash (block k's key hashes block k-1's key with its own tokens), and a hit
+is confirmed by comparing the tokens and the parent block, never by the hash alone. Blocks no
+running slot maps are evicted least recently used first, with everything cached after them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable
+
+from jax_kv.cache import SlotCache
+
+
+@dataclasses.dataclass(eq=False)
+class Block:
+    key: int
+    tokens: tuple[int, ...]
+    parent: Block | None
+    store: int  # the SlotCache store block holding its K/V
+    children: list[Block] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class PrefixStats:
+    lookups: int = 0
+    hit_blocks: int = 0
+    hit_tokens: int = 0
+    cached_blocks: int = 0  # blocks put in the store
+    evicted_blocks: int = 0
+
+
+class PrefixCache:
+    def __init__(self, cache: SlotCache) -> None:
+        self.cache = cache
+        self.block_tokens = cache.block_tokens
+        self.index: dict[int, list[Block]] = {}
+        self.by_store: collections.OrderedDict[int, Block] = collections.OrderedDict()  # LRU
+        self.stats = PrefixStats()
+
+    @staticmethod
+    def _key(parent: Block | None, tokens: tuple[int, ...]) -> int:
+        return hash((0 if parent is None else parent.key, tokens))
+
+    def _find(self, parent: Block | None, tokens: tuple[int, ...]) -> Block | None:
+        for block in self.index.get(self._key(parent, tokens), ()):
+            if block.parent is parent and block.tokens == tokens:
+                return block
+        return None
+
+    def lookup(self, token_at: Callable[[int], int], max_blocks: int) -> list[Block]:
+        """The longest chain of cached blocks the tokens start with (at most max_blocks);
+        marks them recently used."""
+        self.stats.lookups += 1
+        chain: list[Block] = []
+        bt = self.block_tokens
+        for k in range(max_blocks):
+            tokens = tuple(token_at(i) for i in range(k * bt, (k + 1) * bt))
+            block = self._find(chain[-1] if chain else None, tokens)
+            if block is None:
+                break
+            chain.append(block)
+        for block in chain:
+            self.by_store.move_to_end(block.store)
+        self.stats.hit_blocks += len(chain)
+        self.stats.hit_tokens += len(chain) * bt
+        return chain
+
+    def insert(self, slot: int, k: int, parent: Block | None, tokens: tuple[int, ...]) -> Block:
+        """Caches block k of `slot` (its own, written), child of `parent`; returns the block
+        (an equal one already cached is returned instead, and the slot's stays its own)."""
+        found = self._find(parent, tokens)
+        if found is not None:
+            self.by_store.move_to_end(found.store)
+            return found
+        store = self.cache.cache_block(slot, k)
+        if store is None and self._evict_one():
+            store = self.cache.cache_block(slot, k)
+        if store is None:
+            return None  # type: ignore[return-value]  # the store is full of mapped blocks
+        block = Block(self._key(parent, tokens), tokens, parent, store)
+        self.index.setdefault(block.key, []).append(block)
+        self.by_store[store] = block
+        if parent is not None:
+            parent.children.append(block)
+        self.stats.cached_blocks += 1
+        return block
+
+    def _evictable(self, block: Block) -> bool:
+        return not self.cache.store_refs[block.store]
+
+    def _drop(self, block: Block) -> int:
+        """Evicts `block` and every block cached after it (children first)."""
+        freed = 0
+        for child in list(block.children):
+            freed += self._drop(child)
+        freed += self.cache.evict(block.store)
+        del self.by_store[block.store]
+        same = self.index[block.key]
+        same.remove(block)
+        if not same:
+            del self.index[block.key]
+        if block.parent is not None:
+            block.parent.children.remove(block)
+        self.stats.evicted_blocks += 1
+        return freed
+
+    def _evict_one(self) -> bool:
+        for block in self.by_store.values():
+            if self._evictable(block):
+                self._drop(block)
+                return True
+        return False
+
+    def evict_for(self, nbytes: int) -> int:
+        """Evicts least recently used blocks no slot maps until `nbytes` of physical memory
+        are freed (or none is left to evict); returns the bytes freed. Blocks whose slot still
+        holds their granules free nothing and are kept."""
+        freed = 0
+        while freed < nbytes:
+            victim = next(
+                (
+                    b for b in self.by_store.values()
+                    if self._evictable(b) and b.store not in self.cache.store_owner
+                ),
+                None,
+            )  # fmt: skip
+            if victim is None:
+                break
+            freed += self._drop(victim)
+        return freed

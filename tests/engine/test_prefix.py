@@ -1,0 +1,187 @@
+"""The engine's prefix cache (issue 23, item 2) on the host driver's VmmArena (CI's stand-in
+for the CUDA one: the same share, refcount and unmap paths): requests that start with cached
+blocks map the store's granules into their slots and prefill only the rest; greedy tokens
+equal the cache off and Generator alone; a request that diverges after a shared block never
+changes another's tokens; a slot mapping a shared block reads the writer's values; unused
+blocks are evicted least recently used under memory pressure; after close every handle is
+released and the fault counters are zero."""
+
+import gc
+
+import numpy as np
+import pytest
+
+import jax_kv.models as jm
+from jax_kv.decode import Generator
+from jax_kv.engine import FINISH_LENGTH, Engine
+from jax_kv.memory import EagerArena, host_arena
+
+MAX_LEN = 256
+BLOCK = 16  # tokens per block: one 8 KiB granule of the tiny model's 512-byte tokens
+
+
+@pytest.fixture(scope="module")
+def model():
+    return jm.random_model("tiny-llama", seed=7)
+
+
+@pytest.fixture(scope="module")
+def generator(model):
+    return Generator(model, arena=EagerArena(), max_len=MAX_LEN)
+
+
+@pytest.fixture
+def arenas():
+    made = []
+
+    def make():
+        a = host_arena(reserve_bytes=1 << 30, granule=BLOCK * 512)
+        made.append(a)
+        return a
+
+    yield make
+    gc.collect()
+    for a in made:
+        if not a.closed:
+            a.close()
+        s = a.stats()
+        assert s.handles_live == 0 and s.committed_bytes == 0, s
+        assert not any(s.faults.values()), s
+
+
+def engine(model, arena, **kw):
+    kw.setdefault("max_slots", 4)
+    kw.setdefault("max_len", MAX_LEN)
+    kw.setdefault("prefill_chunk_tokens", 64)
+    return Engine(model, arena=arena, **kw)
+
+
+def run(eng, waves):
+    """Submits each wave of (prompt, n) after the previous wave's first step; checks the
+    memory invariant after every step -> the requests."""
+    reqs = []
+    for wave in waves:
+        reqs += [eng.submit(p, n, stop_token_ids=[]) for p, n in wave]
+        eng.step()
+        eng.check_memory()
+    while eng.has_work():
+        eng.step()
+        eng.check_memory()
+    return [r.result() for r in reqs]
+
+
+def shared_prefix_workload(rng, model, groups=3, per_group=4):
+    vocab = model.config.vocab_size
+    waves = []
+    for _ in range(groups):
+        prefix = [int(t) for t in rng.integers(3, vocab, 2 * BLOCK + 8)]  # 2.5 blocks
+        wave = []
+        for _ in range(per_group):
+            q = [int(t) for t in rng.integers(3, vocab, int(rng.integers(1, 20)))]
+            wave.append((prefix + q, int(rng.integers(1, 24))))
+        waves += [wave[:1], wave[1:]]  # the first of a group runs ahead, the rest hit it
+    return waves
+
+
+def test_shared_prefixes_are_prefilled_once_and_tokens_are_unchanged(model, generator, rng,
+                                                                      arenas):  # fmt: skip
+    waves = shared_prefix_workload(rng, model)
+    with engine(model, arenas()) as on:
+        assert on.prefix is not None and on.cache.block_tokens == BLOCK
+        got_on = run(on, waves)
+        stats_on, prefix = on.stats, on.prefix.stats
+    with engine(model, arenas(), prefix_cache=False) as off:
+        assert off.prefix is None
+        got_off = run(off, waves)
+        stats_off = off.stats
+    flat = [x for wave in waves for x in wave]
+    for (p, n), a, b in zip(flat, got_on, got_off, strict=True):
+        assert a.tokens == b.tokens == generator.generate([p], n, stop_tokens=[]).tokens[0]
+        assert a.finish_reason == FINISH_LENGTH
+    # 3 groups x 3 followers hit the 2 full blocks of their group's prefix.
+    assert prefix.hit_tokens == 3 * 3 * 2 * BLOCK
+    assert stats_on.prefill_tokens == stats_off.prefill_tokens - prefix.hit_tokens
+    assert prefix.cached_blocks >= 3 * 2
+
+
+def test_a_diverging_request_never_changes_a_sharer(model, generator, rng, arenas):
+    """A and B share two blocks and run together (B maps A's blocks while A still runs);
+    each writes its own tail; both equal their solo runs. B's slot reads A's values in the
+    shared blocks (through the same granules)."""
+    vocab = model.config.vocab_size
+    prefix = [int(t) for t in rng.integers(3, vocab, 2 * BLOCK)]
+    a_prompt = prefix + [int(t) for t in rng.integers(3, vocab, 5)]
+    b_prompt = prefix + [int(t) for t in rng.integers(3, vocab, 9)]
+    with engine(model, arenas()) as eng:
+        a = eng.submit(a_prompt, 40, stop_token_ids=[])
+        eng.step()  # A prefilled: its two prefix blocks are cached (A owns them)
+        b = eng.submit(b_prompt, 30, stop_token_ids=[])
+        eng.step()
+        sa = next(i for i, s in enumerate(eng._slots) if s and s.request is a)
+        sb = next(i for i, s in enumerate(eng._slots) if s and s.request is b)
+        assert len(eng.cache.slot_shared[sb]) == 2
+        ka = np.array(eng.cache.k[0][sa, : 2 * BLOCK])
+        kb = np.array(eng.cache.k[0][sb, : 2 * BLOCK])
+        assert np.abs(ka).sum() > 0 and np.array_equal(ka, kb)
+        while eng.has_work():
+            eng.step()
+            eng.check_memory()
+        assert eng.prefix.stats.hit_tokens == 2 * BLOCK
+        c = eng.submit(prefix + [7], 5, stop_token_ids=[])  # after both ended: ownerless hit
+        eng.run_until_idle()
+        assert eng.prefix.stats.hit_tokens == 4 * BLOCK
+    assert a.result().tokens == generator.generate([a_prompt], 40, stop_tokens=[]).tokens[0]
+    assert b.result().tokens == generator.generate([b_prompt], 30, stop_tokens=[]).tokens[0]
+    want = generator.generate([prefix + [7]], 5, stop_tokens=[]).tokens[0]
+    assert c.result().tokens == want
+
+
+def test_unused_blocks_are_evicted_under_memory_pressure(model, generator, rng, arenas):
+    """A budget of 24 granules per binding, 12 requests of distinct 3-block prompts: the
+    cache fills, least recently used blocks no slot maps are evicted to admit new requests,
+    tokens are unchanged, the memory bound holds after every step."""
+    vocab = model.config.vocab_size
+    bindings = 2 * model.config.num_layers
+    budget = 24 * BLOCK * 512 * bindings
+    prompts = [[int(t) for t in rng.integers(3, vocab, 3 * BLOCK + 2)] for _ in range(12)]
+    with engine(model, arenas(), max_slots=2, kv_budget_bytes=budget) as eng:
+        got = run(eng, [[(p, 12)] for p in prompts])
+        assert eng.prefix.stats.evicted_blocks > 0
+        assert eng.cache.held_bytes <= budget
+        # Re-submitting the last prompt hits its blocks (most recently used: not evicted).
+        again = eng.submit(prompts[-1], 12, stop_token_ids=[])
+        hits = eng.prefix.stats.hit_tokens
+        eng.run_until_idle()
+        assert eng.prefix.stats.hit_tokens == hits + 3 * BLOCK
+    for p, c in zip(prompts, got, strict=True):
+        assert c.tokens == generator.generate([p], 12, stop_tokens=[]).tokens[0]
+    assert again.result().tokens == got[-1].tokens
+
+
+def test_cancel_and_preempt_while_blocks_are_shared(model, generator, rng, arenas):
+    vocab = model.config.vocab_size
+    prefix = [int(t) for t in rng.integers(3, vocab, 2 * BLOCK)]
+    prompts = [prefix + [int(t) for t in rng.integers(3, vocab, 4)] for _ in range(5)]
+    bindings = 2 * model.config.num_layers
+    budget = 14 * BLOCK * 512 * bindings  # tight: forces preemption while sharing
+    with engine(model, arenas(), max_slots=4, kv_budget_bytes=budget) as eng:
+        reqs = [eng.submit(prompts[0], 60, stop_token_ids=[])]
+        eng.step()
+        reqs += [eng.submit(p, 60, stop_token_ids=[]) for p in prompts[1:]]
+        eng.step()
+        reqs[2].cancel()
+        while eng.has_work():
+            eng.step()
+            eng.check_memory()
+        assert eng.stats.preemptions > 0
+    for i, (p, r) in enumerate(zip(prompts, reqs, strict=True)):
+        c = r.completion
+        if i == 2:
+            assert c.finish_reason == "cancelled"
+            continue
+        assert c.tokens == generator.generate([p], 60, stop_tokens=[]).tokens[0], i
+
+
+def test_prefix_cache_needs_a_vmm_arena(model):
+    with pytest.raises(ValueError, match=r"prefix_cache: sharing granules .* needs a VmmArena"):
+        Engine(model, arena=EagerArena(), max_len=MAX_LEN, prefix_cache=True)
