@@ -62,6 +62,25 @@ class Workload:
 
 
 def make_workload(rng, args, vocab: int) -> Workload:
+    if args.workload == "shared-prefix":
+        return shared_prefix_workload(rng, args, vocab)
+    return mixed_workload(rng, args, vocab)
+
+
+def shared_prefix_workload(rng, args, vocab: int) -> Workload:
+    """Workload 2, shaped like SGLang's generated-shared-prefix benchmark: groups of prompts
+    that share a system prompt, each with its own question; groups interleaved in order."""
+    prompts, news = [], []
+    systems = [[int(t) for t in rng.integers(3, vocab, args.system_tokens)]
+               for _ in range(args.groups)]  # fmt: skip
+    for i in range(args.groups * args.per_group):
+        question = [int(t) for t in rng.integers(3, vocab, args.question_tokens)]
+        prompts.append(systems[i % args.groups] + question)
+        news.append(args.output_tokens)
+    return Workload(prompts, news)
+
+
+def mixed_workload(rng, args, vocab: int) -> Workload:
     def lognormal(median, cap, lo):
         x = rng.lognormal(math.log(median), args.sigma, args.requests)
         return np.clip(np.round(x), lo, cap).astype(int)
@@ -107,14 +126,16 @@ def weight_bytes(params) -> int:
     return int(sum(a.nbytes for a in jax.tree_util.tree_leaves(params)))
 
 
-def run_engine(model, wl: Workload, arrivals: np.ndarray, args) -> dict:
+def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> dict:
     eng = Engine(
         model, max_slots=args.slots, max_len=args.max_len,
-        prefill_chunk_tokens=args.chunk, max_queue=len(wl.prompts) + 1,
+        prefill_chunk_tokens=args.chunk, max_queue=len(wl.prompts) + 1, prefix_cache=prefix,
+        arena=make_arena(args),
     )  # fmt: skip
     try:
         eng.warm_up()
         s0 = dataclasses.replace(eng.stats, finished=dict(eng.stats.finished))
+        p0 = dataclasses.replace(eng.prefix.stats) if eng.prefix else None
         cache = eng.cache
         n = len(wl.prompts)
         order = np.argsort(arrivals, kind="stable")
@@ -187,12 +208,49 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args) -> dict:
             host_fraction=float(np.sum(host) / np.sum(steps)),
             decode_roofline_ratio=float(np.median(roofline)) if roofline else None,
             arena="vmm" if cache.is_vmm else "eager",
+            prefill_tokens_computed=s.prefill_tokens_computed - s0.prefill_tokens_computed,
+            prefill_tokens_real=s.prefill_tokens - s0.prefill_tokens,
+            prompt_tokens=int(sum(len(p) for p in wl.prompts)),
+            unique_prompt_tokens=unique_prompt_tokens(wl),
+            prefix_cache=eng.prefix is not None,
+            prefix_hit_tokens=(eng.prefix.stats.hit_tokens - p0.hit_tokens) if p0 else 0,
+            prefix_evicted_blocks=(eng.prefix.stats.evicted_blocks - p0.evicted_blocks)
+            if p0
+            else 0,
+            cow_copies=0,  # the partial last granule is not shared (no copy-on-write yet)
             decode_steps_rerecorded=sum(1 for c in host_calls if c) if calls else None,
             decode_only_steps=len(host_calls) if calls else None,
         )
         return out
     finally:
         eng.close()
+
+
+def make_arena(args):
+    """--arena host: the host driver's VmmArena (a CPU run of the VMM and prefix paths)."""
+    if args.arena == "host":
+        from jax_kv.memory import host_arena
+
+        return host_arena(reserve_bytes=64 << 30, granule=64 << 10)
+    return None
+
+
+def unique_prompt_tokens(wl: Workload) -> int:
+    """Prompt tokens counting each distinct prefix once (a trie of the prompts)."""
+    root: dict = {}
+    n = 0
+    for p in wl.prompts:
+        node = root
+        for t in p:
+            if t not in node:
+                node[t] = {}
+                n += 1
+            node = node[t]
+    return n
+
+
+def run_engine_no_prefix(model, wl: Workload, arrivals: np.ndarray, args) -> dict:
+    return run_engine(model, wl, arrivals, args, prefix=False)
 
 
 def run_dense(model, wl: Workload, arrivals: np.ndarray, args) -> dict:
@@ -252,7 +310,7 @@ def print_table(results: dict, args) -> None:
     for rate, engines in results.items():
         for name, m in engines.items():
             notes = ""
-            if name == "jax_kv":
+            if name.startswith("jax_kv"):
                 physical = (
                     ""
                     if m["arena"] == "vmm"
@@ -267,6 +325,11 @@ def print_table(results: dict, args) -> None:
                     f"{m['prefill_compiles_after_warmup']}; preemptions {m['preemptions']}; "
                     f"scheduling {m['host_ms_per_step']:.2f} ms/step "
                     f"({100 * m['host_fraction']:.1f}%)"
+                    + (
+                        f"; prefill computed {m['prefill_tokens_computed']:,} positions for "
+                        f"{m['prompt_tokens']:,} prompt tokens ({m['unique_prompt_tokens']:,} "
+                        f"unique), prefix hits {m['prefix_hit_tokens']:,} tokens"
+                    )
                     + (
                         f"; decode at roofline x{m['decode_roofline_ratio']:.2f}"
                         if m["decode_roofline_ratio"]
@@ -325,6 +388,16 @@ def main() -> None:
     ap.add_argument("--output-median", type=int, default=200)
     ap.add_argument("--output-max", type=int, default=2048)
     ap.add_argument("--sigma", type=float, default=1.0)
+    ap.add_argument("--workload", choices=["mixed", "shared-prefix"], default="mixed")
+    ap.add_argument(
+        "--arena", choices=["auto", "host"], default="auto",
+        help="host: the host driver's VmmArena (CPU runs of the VMM and prefix paths)",
+    )  # fmt: skip
+    ap.add_argument("--groups", type=int, default=64, help="shared-prefix: groups")
+    ap.add_argument("--per-group", type=int, default=16, help="shared-prefix: prompts per group")
+    ap.add_argument("--system-tokens", type=int, default=2048)
+    ap.add_argument("--question-tokens", type=int, default=128)
+    ap.add_argument("--output-tokens", type=int, default=256)
     ap.add_argument("--dense-slots", type=int, default=0, help="0: --slots")
     ap.add_argument("--static-requests", type=int, default=0, help="0: all")
     ap.add_argument("--static-rates", default="inf", help="rates the static Generator runs at")
@@ -351,7 +424,8 @@ def main() -> None:
         for name in engines:
             if name == "static" and rate_name not in static_rates:
                 continue
-            fn = {"jax_kv": run_engine, "dense": run_dense, "static": run_static}[name]
+            fn = {"jax_kv": run_engine, "jax_kv-noprefix": run_engine_no_prefix,
+                  "dense": run_dense, "static": run_static}[name]  # fmt: skip
             row[name] = fn(model, wl, arrivals, args)
             print(f"rate {rate_name} {name}: {row[name]['output_tok_s']:.0f} tok/s", flush=True)
         results[rate_name] = row

@@ -452,13 +452,14 @@ class Engine:
         n = PREFILL_MIN_TOKENS
         while True:
             n = min(n, self.max_len - 2)
-            self.submit([i % vocab for i in range(n)], 2, stop_token_ids=[])
+            # Prompts that share no block (the prefix cache would shorten their prefill).
+            self.submit([(n + i) % vocab for i in range(n)], 2, stop_token_ids=[])
             self.run_until_idle()
             if n >= min(self.prefill_chunk_tokens, self.max_len - 2):
                 break
             n = min(2 * n, self.prefill_chunk_tokens)
-        for _ in range(min(4, self.max_slots)):  # a packed call of several rows, a wide decode
-            self.submit([1] * min(20, self.max_len - 3), 3, stop_token_ids=[])
+        for j in range(min(4, self.max_slots)):  # a packed call of several rows, a wide decode
+            self.submit([1 + j] * min(20, self.max_len - 3), 3, stop_token_ids=[])
         self.run_until_idle()
 
     def run_until_idle(self, max_steps: int | None = None) -> None:
