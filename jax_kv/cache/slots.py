@@ -396,6 +396,31 @@ class SlotCache:
         self.granules[b] = len(blocks) * self.block_granules
         self._write_committed()
 
+    def map_partial(self, b: int, k: int, s: int) -> int:
+        """Makes slot b's block k a private copy of store block s (a partly filled block
+        another request wrote): the store's granules are mapped there, then copied on write,
+        so the slot appends to its own granules. Slot b holds exactly k blocks (those mapped
+        by map_cached, or none). Returns the granules copied."""
+        if int(self.granules[b]) != k * self.block_granules:
+            raise ValueError(f"map_partial: slot {b} must hold exactly {k} blocks")
+        n = self._block_bytes()
+        dst = b * self.slot_bytes + k * n
+        done: list[tuple[Region, int, int]] = []
+        copies = 0
+        try:
+            for slot_region, store_region in zip(self.regions, self.store, strict=True):
+                self.arena.share(store_region, s * n, slot_region, dst, n)
+                done.append((slot_region, dst, dst + n))
+            for slot_region in self.regions:
+                copies += self.arena.copy_on_write(slot_region, dst, n)
+        except BaseException:
+            self.arena.decommit_now(done)
+            raise
+        self.granules[b] = (k + 1) * self.block_granules
+        self._physical += self.block_granules  # the copies are the slot's own
+        self._write_committed()
+        return copies
+
     def evict(self, s: int) -> int:
         """Drops store block s (no slot may map it); returns the physical bytes freed (0 when
         the slot that wrote it still holds them)."""

@@ -495,12 +495,14 @@ class Engine:
                     break
                 seq = self._queue[0]
             b = self._slots.index(None)
-            hits = self._lookup(seq)
-            start = len(hits) * (self.prefix.block_tokens if hits else 0)
+            hits, partial = self._lookup(seq)
+            start = len(hits) * self.cache.block_tokens + (len(partial.tokens) if partial else 0)
             n = min(seq.prefill_target - start, room)
             try:
                 if hits:
                     self.cache.map_cached(b, [h.store for h in hits])
+                if partial is not None:  # a private copy of the block to append to
+                    self.cache.map_partial(b, len(hits), partial.store)
                 self._commit(b, start + n)
             except ArenaExhausted:
                 self.cache.release_slot(b)  # the mapped prefix too
@@ -520,13 +522,26 @@ class Engine:
             room -= n
         return room
 
-    def _lookup(self, seq: _Seq) -> list:
-        """The cached blocks seq's tokens start with, leaving at least one token to prefill
-        (its logits give the next token)."""
-        if self.prefix is None:
-            return []
-        most = (seq.prefill_target - 1) // self.prefix.block_tokens
-        return self.prefix.lookup(seq.token_at, most) if most > 0 else []
+    def _lookup(self, seq: _Seq) -> tuple[list, Any]:
+        """The cached full blocks seq's tokens start with and a cached partial block after
+        them, leaving at least one token to prefill (its logits give the next token)."""
+        if self.prefix is None or seq.prefill_target < 2:
+            return [], None
+        return self.prefix.lookup(seq.token_at, seq.prefill_target - 1)
+
+    def _cache_partial(self, seq: _Seq) -> None:
+        """Caches the block seq's slot ends in, partly filled, before the slot is released:
+        a request that continues these tokens (the next turn of a chat) copies it."""
+        if self.prefix is None or seq.slot is None:
+            return
+        bt, b = self.cache.block_tokens, seq.slot
+        k, rest = divmod(seq.cached, bt)
+        if not rest or k != len(seq.blocks):
+            return
+        if int(self.cache.granules[b]) < (k + 1) * self.cache.block_granules:
+            return
+        tokens = tuple(seq.token_at(i) for i in range(k * bt, seq.cached))
+        self.prefix.insert_partial(b, k, seq.blocks[-1] if seq.blocks else None, tokens)
 
     def _commit(self, b: int, tokens: int) -> None:
         """ensure_slot, evicting cached prefix blocks no slot maps before giving up."""
@@ -574,6 +589,7 @@ class Engine:
         """Releases seq's slot and memory; it keeps its tokens and waits at the queue's head
         to be re-prefilled."""
         assert seq.slot is not None
+        self._cache_partial(seq)
         self.cache.release_slot(seq.slot)
         self._slots[seq.slot] = None
         seq.slot, seq.cached, seq.blocks = None, 0, []
@@ -742,6 +758,8 @@ class Engine:
 
     def _finish(self, seq: _Seq, reason: str, error: BaseException | None = None) -> None:
         if seq.slot is not None:
+            if reason != FINISH_ERROR:  # after an error the slot's bytes are not trusted
+                self._cache_partial(seq)
             self.cache.release_slot(seq.slot)
             self._slots[seq.slot] = None
             seq.slot = None

@@ -25,6 +25,9 @@ class Block:
     parent: Block | None
     store: int  # the SlotCache store block holding its K/V
     children: list[Block] = dataclasses.field(default_factory=list)
+    # A block its writer ended in, with fewer tokens than a block holds: a request that
+    # continues it maps a private copy of it (copy on write) and appends there.
+    partial: bool = False
 
 
 @dataclasses.dataclass
@@ -34,6 +37,7 @@ class PrefixStats:
     hit_tokens: int = 0
     cached_blocks: int = 0  # blocks put in the store
     evicted_blocks: int = 0
+    partial_hits: int = 0  # hits that ended in a partial block (each one copy on write)
 
 
 class PrefixCache:
@@ -42,6 +46,7 @@ class PrefixCache:
         self.block_tokens = cache.block_tokens
         self.index: dict[int, list[Block]] = {}
         self.by_store: collections.OrderedDict[int, Block] = collections.OrderedDict()  # LRU
+        self.partials: dict[int, list[Block]] = {}  # by their parent's key (0: none)
         self.stats = PrefixStats()
 
     @staticmethod
@@ -54,23 +59,33 @@ class PrefixCache:
                 return block
         return None
 
-    def lookup(self, token_at: Callable[[int], int], max_blocks: int) -> list[Block]:
-        """The longest chain of cached blocks the tokens start with (at most max_blocks);
-        marks them recently used."""
+    def lookup(self, token_at: Callable[[int], int], most: int) -> tuple[list[Block], Block | None]:
+        """The longest chain of cached full blocks the first `most` tokens start with, and
+        the longest partial block continuing it within them (or None); marks them used."""
         self.stats.lookups += 1
         chain: list[Block] = []
         bt = self.block_tokens
-        for k in range(max_blocks):
+        for k in range(most // bt):
             tokens = tuple(token_at(i) for i in range(k * bt, (k + 1) * bt))
             block = self._find(chain[-1] if chain else None, tokens)
             if block is None:
                 break
             chain.append(block)
-        for block in chain:
+        start = len(chain) * bt
+        partial = None
+        for block in self.partials.get(chain[-1].key if chain else 0, ()):
+            n = len(block.tokens)
+            if block.parent is (chain[-1] if chain else None) and start + n <= most:
+                if (partial is None or n > len(partial.tokens)) and all(
+                    token_at(start + i) == t for i, t in enumerate(block.tokens)
+                ):
+                    partial = block
+        for block in [*chain, *([partial] if partial else [])]:
             self.by_store.move_to_end(block.store)
         self.stats.hit_blocks += len(chain)
-        self.stats.hit_tokens += len(chain) * bt
-        return chain
+        self.stats.hit_tokens += start + (len(partial.tokens) if partial else 0)
+        self.stats.partial_hits += partial is not None
+        return chain, partial
 
     def insert(self, slot: int, k: int, parent: Block | None, tokens: tuple[int, ...]) -> Block:
         """Caches block k of `slot` (its own, written), child of `parent`; returns the block
@@ -92,6 +107,28 @@ class PrefixCache:
         self.stats.cached_blocks += 1
         return block
 
+    def insert_partial(
+        self, slot: int, k: int, parent: Block | None, tokens: tuple[int, ...]
+    ) -> Block | None:
+        """Caches block k of `slot`, which holds only `tokens` (its writer ends there)."""
+        key = 0 if parent is None else parent.key
+        for block in self.partials.get(key, ()):
+            if block.parent is parent and block.tokens[: len(tokens)] == tokens:
+                self.by_store.move_to_end(block.store)
+                return block  # as long or longer: nothing to add
+        store = self.cache.cache_block(slot, k)
+        if store is None and self._evict_one():
+            store = self.cache.cache_block(slot, k)
+        if store is None:
+            return None
+        block = Block(self._key(parent, tokens), tokens, parent, store, partial=True)
+        self.partials.setdefault(key, []).append(block)
+        self.by_store[store] = block
+        if parent is not None:
+            parent.children.append(block)
+        self.stats.cached_blocks += 1
+        return block
+
     def _evictable(self, block: Block) -> bool:
         return not self.cache.store_refs[block.store]
 
@@ -102,10 +139,15 @@ class PrefixCache:
             freed += self._drop(child)
         freed += self.cache.evict(block.store)
         del self.by_store[block.store]
-        same = self.index[block.key]
+        table, key = (
+            (self.partials, 0 if block.parent is None else block.parent.key)
+            if block.partial
+            else (self.index, block.key)
+        )
+        same = table[key]
         same.remove(block)
         if not same:
-            del self.index[block.key]
+            del table[key]
         if block.parent is not None:
             block.parent.children.remove(block)
         self.stats.evicted_blocks += 1

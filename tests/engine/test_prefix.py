@@ -185,3 +185,33 @@ def test_cancel_and_preempt_while_blocks_are_shared(model, generator, rng, arena
 def test_prefix_cache_needs_a_vmm_arena(model):
     with pytest.raises(ValueError, match=r"prefix_cache: sharing granules .* needs a VmmArena"):
         Engine(model, arena=EagerArena(), max_len=MAX_LEN, prefix_cache=True)
+
+
+def test_a_chat_turn_continues_the_previous_partial_block_by_copy_on_write(
+    model, generator, rng, arenas
+):
+    """Each turn resubmits the whole history (prompt + answer + a new message). The previous
+    turn's full blocks are mapped; the block it ended in, partly filled, is mapped and copied
+    on write (one granule per binding), so a turn prefills only the last answer token and the
+    new message; tokens equal the history generated alone."""
+    vocab = model.config.vocab_size
+    arena = arenas()
+    history = [int(t) for t in rng.integers(3, vocab, 21)]
+    with engine(model, arena) as eng:
+        bindings = eng.cache.bindings
+        for turn in range(4):
+            prefilled = eng.stats.prefill_tokens
+            cow = arena.stats().cow_copies
+            r = eng.submit(history, 10, stop_token_ids=[])
+            eng.run_until_idle()
+            eng.check_memory()
+            c = r.result()
+            assert c.tokens == generator.generate([history], 10, stop_tokens=[]).tokens[0]
+            if turn:
+                # Only the last answer token (never written: it was the last one sampled)
+                # and the new message were computed.
+                assert eng.stats.prefill_tokens - prefilled == 1 + 5
+                assert arena.stats().cow_copies - cow == bindings * eng.cache.block_granules
+            message = [int(t) for t in rng.integers(3, vocab, 5)]
+            history = history + c.tokens + message
+        assert eng.prefix.stats.partial_hits == 3
