@@ -58,6 +58,20 @@ class _EngineCollector:
                                   value=s.preemptions)  # fmt: skip
         yield CounterMetricFamily("jax_kv_decode_compiles", "Compiles of the decode step",
                                   value=s.decode_compiles)  # fmt: skip
+        if e.prefix is not None:
+            p = e.prefix.stats
+            yield CounterMetricFamily("jax_kv_prefix_hit_tokens",
+                                      "Prompt tokens served from the prefix cache",
+                                      value=p.hit_tokens)  # fmt: skip
+            yield CounterMetricFamily("jax_kv_prefix_lookups", "Prefix cache lookups",
+                                      value=p.lookups)  # fmt: skip
+            yield CounterMetricFamily(
+                "jax_kv_prefix_evicted_blocks", "Prefix blocks evicted", value=p.evicted_blocks
+            )
+            if not cache.closed:
+                yield GaugeMetricFamily("jax_kv_prefix_cached_only_bytes",
+                                        "KV bytes of cached prefix blocks no request maps",
+                                        value=cache.cached_only_bytes)  # fmt: skip
         finished = CounterMetricFamily("jax_kv_requests_finished", "Requests ended, by reason",
                                        labels=["finish_reason"])  # fmt: skip
         for reason, n in sorted(s.finished.items()):

@@ -225,3 +225,23 @@ def test_queue_full_is_429_and_draining_is_503(tiny_model):
         assert get(f"{base}/health").status_code == 503
         app.state.jax_kv.draining = False
     engine.close()
+
+
+def test_metrics_count_prefix_hits_on_a_vmm_arena(tiny_model):
+    """With the prefix cache (the host driver's VmmArena), a repeated prompt is a hit."""
+    from jax_kv.engine import Engine
+    from jax_kv.memory import host_arena
+    from jax_kv.server import create_app
+
+    arena = host_arena(reserve_bytes=1 << 30, granule=16 * 512)
+    engine = Engine(tiny_model, arena=arena, max_slots=2, max_len=256, prefill_chunk_tokens=32)
+    body = {"model": MODEL_NAME, "prompt": "x" * 40, "max_tokens": 2, "temperature": 0}
+    with running(create_app(engine, model_name=MODEL_NAME)) as base:
+        first = post(base, "/v1/completions", body).json()["choices"][0]["text"]
+        again = post(base, "/v1/completions", body).json()["choices"][0]["text"]
+        text = get(f"{base}/metrics").text
+    engine.close()
+    arena.close()
+    assert first == again
+    hits = [ln for ln in text.splitlines() if ln.startswith("jax_kv_prefix_hit_tokens_total")]
+    assert hits and float(hits[0].split()[-1]) >= 32, hits
