@@ -371,6 +371,64 @@ def plot(results: dict, path: Path) -> str:
     return str(path)
 
 
+def run_multiturn(model, args, prefix: bool | None) -> dict:
+    """Issue 23's chat workload: conversations of `turns` turns, all starting at once; each
+    turn resubmits the whole history (prompt + answer + a new message) when the previous
+    turn ended. New tokens per turn: its message and the previous answer's last token (the
+    one token of the history no step wrote); the first turn's prompt is all new."""
+    rng = np.random.default_rng(args.seed)
+    vocab = model.config.vocab_size
+    eng = Engine(model, max_slots=args.slots, max_len=args.max_len, prefix_cache=prefix,
+                 prefill_chunk_tokens=args.chunk, max_queue=args.conversations + 1,
+                 arena=make_arena(args))  # fmt: skip
+    try:
+        eng.warm_up()
+        s0 = dataclasses.replace(eng.stats, finished=dict(eng.stats.finished))
+        history = [[int(t) for t in rng.integers(3, vocab, args.question_tokens)]
+                   for _ in range(args.conversations)]  # fmt: skip
+        new_tokens = sum(len(h) for h in history)
+        turn = [0] * args.conversations
+        live = {i: eng.submit(history[i], args.output_tokens, stop_token_ids=[])
+                for i in range(args.conversations)}  # fmt: skip
+        sent = {i: time.perf_counter() for i in live}
+        ttft, out_tokens, t0 = [], 0, time.perf_counter()
+        while live:
+            eng.step()
+            now = time.perf_counter()
+            for i, r in list(live.items()):
+                if r.streamed and i in sent:
+                    ttft.append(now - sent.pop(i))
+                if not r.done:
+                    continue
+                c = r.result()
+                out_tokens += len(c.tokens)
+                del live[i]
+                turn[i] += 1
+                if turn[i] < args.turns:
+                    message = [int(t) for t in rng.integers(3, vocab, args.turn_tokens)]
+                    history[i] = history[i] + c.tokens + message
+                    new_tokens += len(message) + 1
+                    if len(history[i]) + args.output_tokens <= args.max_len:
+                        live[i] = eng.submit(history[i], args.output_tokens, stop_token_ids=[])
+                        sent[i] = time.perf_counter()
+        seconds = time.perf_counter() - t0
+        s = eng.stats
+        computed = s.prefill_tokens - s0.prefill_tokens
+        return dict(
+            output_tok_s=out_tokens / seconds, seconds=seconds,
+            ttft_p50_ms=float(np.percentile(ttft, 50) * 1e3),
+            ttft_p99_ms=float(np.percentile(ttft, 99) * 1e3),
+            new_tokens=new_tokens, prefill_tokens_real=computed,
+            prefill_over_new=computed / new_tokens,
+            prefix_cache=eng.prefix is not None,
+            partial_hits=eng.prefix.stats.partial_hits if eng.prefix else 0,
+            cow_copies=eng.cache.arena.stats().cow_copies if eng.cache.is_vmm else 0,
+            preemptions=s.preemptions - s0.preemptions,
+        )  # fmt: skip
+    finally:
+        eng.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-3-8b", choices=list(jm.PRESETS))
@@ -388,7 +446,11 @@ def main() -> None:
     ap.add_argument("--output-median", type=int, default=200)
     ap.add_argument("--output-max", type=int, default=2048)
     ap.add_argument("--sigma", type=float, default=1.0)
-    ap.add_argument("--workload", choices=["mixed", "shared-prefix"], default="mixed")
+    ap.add_argument("--workload", choices=["mixed", "shared-prefix", "multi-turn"],
+                    default="mixed")  # fmt: skip
+    ap.add_argument("--conversations", type=int, default=200, help="multi-turn: conversations")
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--turn-tokens", type=int, default=64, help="multi-turn: a new message")
     ap.add_argument(
         "--arena", choices=["auto", "host"], default="auto",
         help="host: the host driver's VmmArena (CPU runs of the VMM and prefix paths)",
@@ -413,6 +475,33 @@ def main() -> None:
     )
     model = jm.random_model(config, seed=args.seed, dtype=jnp.dtype(args.dtype))
     rng = np.random.default_rng(args.seed)
+    if args.workload == "multi-turn":
+        print(
+            f"\n{args.model} shape, {args.dtype}; {args.conversations} conversations x "
+            f"{args.turns} turns, first message {args.question_tokens} tokens, then "
+            f"{args.turn_tokens} per turn, {args.output_tokens} output tokens per turn"
+        )
+        print(
+            "| engine | out tok/s | TTFT p50/p99 ms | prefill computed / new tokens | "
+            "partial hits | COW copies |"
+        )
+        print("|---|---|---|---|---|---|")
+        results = {}
+        for name in args.engines.split(","):
+            m = run_multiturn(model, args, None if name == "jax_kv" else False)
+            results[name] = m
+            print(
+                f"| {name} | {m['output_tok_s']:.0f} | {m['ttft_p50_ms']:.0f}/"
+                f"{m['ttft_p99_ms']:.0f} | {m['prefill_tokens_real']:,} / {m['new_tokens']:,}"
+                f" = {m['prefill_over_new']:.2f}x | {m['partial_hits']} | {m['cow_copies']} |"
+            )
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            path = args.out / f"serve_multiturn_{args.model}_{jax.default_backend()}.json"
+            path.write_text(json.dumps(dict(meta=dict(vars(args), out=str(args.out)),
+                                            results=results), indent=1))  # fmt: skip
+            print(f"wrote {path}")
+        return
     wl = make_workload(rng, args, config.vocab_size)
     engines = args.engines.split(",")
     static_rates = set(args.static_rates.split(","))

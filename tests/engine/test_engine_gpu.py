@@ -120,3 +120,41 @@ def test_bf16_first_32_tokens_agree_with_generator_for_99_percent(rng):
     ]  # fmt: skip
     assert len(differ) <= 1, f"requests {differ} differ from Generator's first 32 tokens"
     arena.close()
+
+
+def test_prefix_cache_on_cuda_shares_granules_and_keeps_tokens(model, rng):
+    """issue 23 on the CUDA arena: followers map a running request's prefix blocks (the same
+    physical granules at a second address, read-only), a chat turn copies the partial block on
+    write; tokens equal the cache off; after close every handle is released."""
+    from jax_kv.memory import VmmArena
+
+    vocab = model.config.vocab_size
+    prefix = [int(t) for t in rng.integers(3, vocab, 1100)]  # 2 blocks of 512 tokens + 76
+    prompts = [prefix + [int(t) for t in rng.integers(3, vocab, 20)] for _ in range(4)]
+
+    def serve(prefix_cache):
+        arena = VmmArena(pool_bytes=0)
+        eng = Engine(model, max_slots=4, max_len=MAX_LEN, prefill_chunk_tokens=512, arena=arena,
+                     prefix_cache=prefix_cache)  # fmt: skip
+        reqs = [eng.submit(prompts[0], 24, stop_token_ids=[])]
+        for _ in range(4):  # the first request's prefix is prefilled: its blocks are cached
+            eng.step()
+        reqs += [eng.submit(p, 24, stop_token_ids=[]) for p in prompts[1:]]
+        while eng.has_work():
+            eng.step()
+            eng.check_memory()
+        turn = prompts[0] + reqs[0].result().tokens + [5, 6, 7]
+        reqs.append(eng.submit(turn, 8, stop_token_ids=[]))
+        eng.run_until_idle()
+        stats = (eng.prefix.stats if eng.prefix else None, arena.stats().cow_copies)
+        eng.close()
+        arena.close()
+        s = arena.stats()
+        assert s.handles_live == 0 and not any(s.faults.values()), s
+        return [r.result().tokens for r in reqs], stats
+
+    on, (prefix_stats, cow) = serve(None)
+    off, _ = serve(False)
+    assert on == off
+    assert prefix_stats.hit_tokens >= 3 * 1024 and prefix_stats.partial_hits == 1
+    assert cow == 2 * model.config.num_layers
