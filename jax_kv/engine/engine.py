@@ -632,17 +632,10 @@ class Engine:
         lengths = self._lengths()
         if N not in self.stats.prefill_buckets:
             self.stats.prefill_buckets.append(N)
-        traces = self._traces["prefill"]
-        t0 = time.perf_counter()
-        out, caches, status = self._prefill(
-            self.params, jnp.asarray(tokens), jnp.asarray(cu), self._caches(), jnp.asarray(lengths),
-            self.cache.committed, *self._sampling_args(),
+        sampled, status, device = self._call(
+            "prefill", jnp.asarray(tokens), jnp.asarray(cu), self._caches(), jnp.asarray(lengths),
+            self.cache.committed,
         )  # fmt: skip
-        compiled = self._traces["prefill"] - traces
-        self._accept(caches, verify=bool(compiled))
-        sampled, status = np.asarray(out), np.asarray(status)
-        device = time.perf_counter() - t0
-        self.stats.prefill_compiles += compiled
         self.stats.prefill_calls += 1
         self.stats.prefill_tokens += real
         self.stats.prefill_tokens_computed += N
@@ -680,17 +673,9 @@ class Engine:
         for seq in rows:
             tokens[seq.slot] = seq.generated[-1]
         committed = self._decode_committed(rows)
-        traces = self._traces["decode"]
-        t0 = time.perf_counter()
-        out, caches, status = self._decode(
-            self.params, jnp.asarray(tokens), self._caches(), jnp.asarray(self._lengths()),
-            committed, *self._sampling_args(),
-        )  # fmt: skip
-        compiled = self._traces["decode"] - traces
-        self._accept(caches, verify=bool(compiled))
-        sampled, status = np.asarray(out), np.asarray(status)
-        device = time.perf_counter() - t0
-        self.stats.decode_compiles += compiled
+        sampled, status, device = self._call(
+            "decode", jnp.asarray(tokens), self._caches(), jnp.asarray(self._lengths()), committed
+        )
         self.stats.decode_calls += 1
         for seq in rows:
             b = seq.slot
@@ -704,6 +689,24 @@ class Engine:
             self.stats.decode_tokens += 1
             self._emit(seq, int(sampled[b]))
         return len(rows), device
+
+    def _call(self, kind: str, *args: Any) -> tuple[np.ndarray, np.ndarray, float]:
+        """Runs the `kind` step on (params, *args, sampling) -> (sampled tokens [B], status
+        [B] on the host, seconds until they were there); counts its compiles (a compile is
+        a trace) and takes its caches."""
+        step = self._prefill if kind == "prefill" else self._decode
+        traces = self._traces[kind]
+        t0 = time.perf_counter()
+        out, caches, status = step(self.params, *args, *self._sampling_args())
+        compiled = self._traces[kind] - traces
+        self._accept(caches, verify=bool(compiled))
+        sampled, status = np.asarray(out), np.asarray(status)
+        seconds = time.perf_counter() - t0
+        if kind == "prefill":
+            self.stats.prefill_compiles += compiled
+        else:
+            self.stats.decode_compiles += compiled
+        return sampled, status, seconds
 
     def _decode_committed(self, rows: list[_Seq]) -> jax.Array:
         """The write bound of this decode call: the cache's, unless a held slot is not

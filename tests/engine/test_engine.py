@@ -8,9 +8,7 @@ import threading
 
 import pytest
 
-import jax_kv.models as jm
 from jax_kv import Sampling
-from jax_kv.decode import Generator
 from jax_kv.engine import (
     FINISH_CANCELLED,
     FINISH_ERROR,
@@ -24,16 +22,6 @@ from jax_kv.engine import (
 from jax_kv.memory import EagerArena, host_arena
 
 MAX_LEN = 256
-
-
-@pytest.fixture(scope="module")
-def model():
-    return jm.random_model("tiny-llama", seed=7)
-
-
-@pytest.fixture(scope="module")
-def generator(model):
-    return Generator(model, arena=EagerArena(), max_len=MAX_LEN)
 
 
 def token_bytes(model):

@@ -81,6 +81,20 @@ def get(url, **kw) -> Resp:
     return request("GET", url, **kw)
 
 
+def wait_ready(base: str, timeout: float, alive=lambda: True) -> None:
+    """Waits until GET /health answers 200 (the engine is warmed up)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except OSError:
+            pass
+        if not alive() or time.monotonic() > deadline:
+            raise TimeoutError(f"{base}: the server did not become ready")
+        time.sleep(0.05)
+
+
 @contextlib.contextmanager
 def running(app):
     """Serves `app` with uvicorn on a thread; yields the base URL once /health is 200."""
@@ -91,16 +105,7 @@ def running(app):
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError("the server did not become ready")
-        time.sleep(0.05)
+    wait_ready(base, 120)
     try:
         yield base
     finally:

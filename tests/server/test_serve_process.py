@@ -8,11 +8,10 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.parse
 
 import pytest
-from conftest import free_port, get
+from conftest import free_port, wait_ready
 
 openai = pytest.importorskip("openai")
 
@@ -29,17 +28,11 @@ def served():
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            if get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"the server did not start:\n{proc.stdout.read()[-3000:]}")
-        time.sleep(0.2)
+    try:
+        wait_ready(base, 600, alive=lambda: proc.poll() is None)
+    except TimeoutError:
+        proc.kill()
+        raise RuntimeError(f"the server did not start:\n{proc.stdout.read()[-3000:]}") from None
     yield base, proc
     if proc.poll() is None:
         proc.kill()
