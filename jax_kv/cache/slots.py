@@ -53,9 +53,9 @@ class SlotCache:
             most one slot's bytes; ignored on VMM, where it is the arena's granule).
         budget_bytes: the most bytes the slots may hold together (all bindings); default:
             on VMM what the arena can commit, on the eager path every slot at max_len.
-        store_blocks: blocks the prefix store can hold (VMM only; 0: no store). A block is
-            the fewest tokens that fill whole granules (`block_tokens`); the store maps
-            blocks of the slots' granules (no copy), and maps them into other slots.
+        prefix_store: reserve a prefix store (VMM only) of as many blocks as all slots hold.
+            A block is the fewest tokens that fill whole granules (`block_tokens`); the store
+            maps blocks of the slots' granules (no copy), and maps them into other slots.
     """
 
     layout = Layout.SEQ_MAJOR
@@ -72,7 +72,7 @@ class SlotCache:
         arena: Any = None,
         granule_bytes: int | None = None,
         budget_bytes: int | None = None,
-        store_blocks: int = 0,
+        prefix_store: bool = False,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -122,16 +122,16 @@ class SlotCache:
         step_tokens = math.lcm(self.granule, self.token_bytes) // self.token_bytes
         self.block_tokens = step_tokens
         self.block_granules = step_tokens * self.token_bytes // self.granule
-        self.store_blocks = int(store_blocks)
-        if self.store_blocks and not self.is_vmm:
-            raise ValueError("store_blocks: the prefix store needs a VmmArena (shared granules)")
+        if prefix_store and not self.is_vmm:
+            raise ValueError("prefix_store: the prefix store needs a VmmArena (shared granules)")
+        # Virtual space only: a block costs memory while it is cached.
+        self.store_blocks = self.num_slots * self.slot_tokens // step_tokens if prefix_store else 0
         self.store: list[Region] = []
         self._store_free = list(range(self.store_blocks - 1, -1, -1))
         self.store_owner: dict[int, tuple[int, int]] = {}  # store block -> (slot, block) it maps
         self.store_refs = np.zeros((self.store_blocks,), np.int64)  # slots mapping each block
         self.slot_cached: list[dict[int, int]] = [{} for _ in range(self.num_slots)]
         self.slot_shared: list[list[int]] = [[] for _ in range(self.num_slots)]
-        self._physical = 0  # physical granules per binding: own slot granules + ownerless store
         self.k: list[jax.Array] = []
         self.v: list[jax.Array] = []
         self.committed: jax.Array | None = None
@@ -235,7 +235,12 @@ class SlotCache:
     def held_bytes(self) -> int:
         """Bytes the slots' and the store's granules take, all bindings, a shared granule
         once: what admission counts."""
-        return self._physical * self.bindings * self.granule
+        # Per binding: each slot's own granules (not mapped from the store), and the store's
+        # blocks no slot owns (an owned one is the same memory as its slot's granules).
+        shared = sum(len(blocks) for blocks in self.slot_shared) * self.block_granules
+        used = self.store_blocks - len(self._store_free)
+        store_only = (used - len(self.store_owner)) * self.block_granules
+        return (int(self.granules.sum()) - shared + store_only) * self.bindings * self.granule
 
     @property
     def committed_bytes(self) -> int:
@@ -325,7 +330,6 @@ class SlotCache:
                 [(r, base + have * self.granule, base + need * self.granule) for r in self.regions]
             )
         self.granules[b] = need
-        self._physical += need - have
         self._write_committed()
         return need - have
 
@@ -346,7 +350,6 @@ class SlotCache:
             del self.store_owner[s]  # the store's mapping keeps those granules
         self.slot_shared[b], self.slot_cached[b] = [], {}
         freed = held - shared - cached
-        self._physical -= freed
         self.granules[b] = 0
         self._write_committed()  # the bound first: no later step may write the slot
         if self.is_vmm:
@@ -417,7 +420,6 @@ class SlotCache:
             self.arena.decommit_now(done)
             raise
         self.granules[b] = (k + 1) * self.block_granules
-        self._physical += self.block_granules  # the copies are the slot's own
         self._write_committed()
         return copies
 
@@ -433,7 +435,6 @@ class SlotCache:
         if owner is not None:
             del self.slot_cached[owner[0]][owner[1]]
             return 0
-        self._physical -= self.block_granules
         return self.block_granules * self.granule * self.bindings
 
     def _write_committed(self) -> None:

@@ -132,12 +132,6 @@ def _default_is_vmm() -> bool:
     return isinstance(default_arena(), VmmArena)
 
 
-def _store_blocks(slots: int, max_len: int) -> int:
-    """The prefix store's blocks: as many as every slot full (virtual space only; a block
-    costs memory only while cached)."""
-    return slots * max_len
-
-
 def _check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
@@ -221,7 +215,7 @@ class Engine:
             arena=arena,
             granule_bytes=granule_bytes,
             budget_bytes=kv_budget_bytes,
-            store_blocks=_store_blocks(self.max_slots, self.max_len) if prefix_cache else 0,
+            prefix_store=bool(prefix_cache),
         )
         self.prefix = PrefixCache(self.cache) if prefix_cache else None
         self.stats = EngineStats()
