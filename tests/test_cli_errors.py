@@ -182,6 +182,24 @@ def test_missing_model_refused_before_jax_work(monkeypatch, capsys, tmp_path):
     )
 
 
+def test_serve_refusals_before_the_model_loads(monkeypatch, capsys, tmp_path):
+    """serve: a missing --model, --random-weights beside --model, and a bad port are one
+    error line each, before any model loads or any socket opens."""
+    monkeypatch.setattr(jm, "load", lambda *a, **k: pytest.fail("load called"))
+    monkeypatch.setattr(jm, "default", lambda *a, **k: pytest.fail("default model loaded"))
+    monkeypatch.setattr(jm, "random_model", lambda *a, **k: pytest.fail("random model made"))
+    cases = [
+        (["--model", str(tmp_path / "nope")], f"--model: {tmp_path / 'nope'}: no such file"),
+        (["--model", str(tmp_path), "--random-weights", "tiny-llama"], "give it or --model"),
+        (["--port", "70000"], "--port: expected an int in [0, 65535], got '70000'"),
+        (["--random-weights", "gpt-5"], "--random-weights: invalid choice: 'gpt-5'"),
+    ]
+    for args, match in cases:
+        assert cli.main(["serve", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and match in err and err.count("\n") == 1, err
+
+
 def test_arena_vmm_without_a_gpu_refused_before_the_model_loads(monkeypatch, capsys):
     if jax.default_backend() != "cpu":
         pytest.skip("a GPU is present: VmmArena() works")
