@@ -184,6 +184,22 @@ def _limit_reason(budget: int, max_new: int) -> str:
     return FINISH_MAX_NEW_TOKENS if budget >= max_new else FINISH_LENGTH
 
 
+def stop_token_set(config: Any, stop_tokens: Iterable[int] | None, name: str) -> set[int]:
+    """The stop ids a caller gave as `name` (checked against the vocabulary), or the
+    model's EOS ids when None. Shared by Generator and Engine."""
+    if stop_tokens is None:
+        return set(config.eos_token_ids)
+    if isinstance(stop_tokens, str | bytes) or not isinstance(stop_tokens, Iterable):
+        raise ValueError(f"{name}: expected an iterable of token ids, got {stop_tokens!r}")
+    vocab = config.vocab_size
+    out = set()
+    for t in stop_tokens:
+        if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= t < vocab:
+            raise ValueError(f"{name}: expected token ids in [0, vocab={vocab}), got {t!r}")
+        out.add(int(t))
+    return out
+
+
 def _check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
@@ -483,19 +499,7 @@ class Generator:
         return self.model.config.max_position_embeddings
 
     def _stop_set(self, stop_tokens: Iterable[int] | None) -> set[int]:
-        if stop_tokens is None:
-            return set(self.model.config.eos_token_ids)
-        if isinstance(stop_tokens, str | bytes) or not isinstance(stop_tokens, Iterable):
-            raise ValueError(f"stop_tokens: expected an iterable of token ids, got {stop_tokens!r}")
-        vocab = self.model.config.vocab_size
-        out = set()
-        for t in stop_tokens:
-            if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= t < vocab:
-                raise ValueError(
-                    f"stop_tokens: expected token ids in [0, vocab={vocab}), got {t!r}"
-                )
-            out.add(int(t))
-        return out
+        return stop_token_set(self.model.config, stop_tokens, "stop_tokens")
 
     def _prefill(self, cache, ids, lens, sampling, rng, stats):
         """The prompts, in packed calls of at most prefill_chunk_tokens real tokens (rows in

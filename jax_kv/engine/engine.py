@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kv.cache import SlotCache, bucket_for
-from jax_kv.decode.generator import STATUS_CAUSES, StepStatusError
+from jax_kv.cache.kv_cache import default_arena
+from jax_kv.decode.generator import STATUS_CAUSES, StepStatusError, _check_int, stop_token_set
 from jax_kv.decode.protocol import DecoderModel
 from jax_kv.decode.sampling import GREEDY, Sampling, sample_rows
 from jax_kv.engine.prefix import PrefixCache
@@ -126,18 +127,6 @@ class _Seq:
         return self.prompt[i] if i < n else self.generated[i - n]
 
 
-def _default_is_vmm() -> bool:
-    from jax_kv.cache.kv_cache import default_arena
-
-    return isinstance(default_arena(), VmmArena)
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
 def _row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
     """One key per row from its request's seed and the position of the token it samples:
     a request's tokens do not depend on which slot or step it ran in."""
@@ -200,7 +189,10 @@ class Engine:
             )
         self.model = model
         self.params = model.fused_params() if fuse_projections else model.params
-        vmm = isinstance(arena, VmmArena) or (arena is None and _default_is_vmm())
+        # Resolved here once (the cache takes it as given): whether it is a VmmArena decides
+        # the prefix cache's default.
+        arena = default_arena() if arena is None else arena
+        vmm = isinstance(arena, VmmArena)
         if prefix_cache is None:
             prefix_cache = vmm
         elif prefix_cache and not vmm:
@@ -382,15 +374,7 @@ class Engine:
         return stops
 
     def _stop_ids(self, stop_token_ids: Iterable[int] | None) -> frozenset[int]:
-        if stop_token_ids is None:
-            return frozenset(self.model.config.eos_token_ids)
-        vocab = self.model.config.vocab_size
-        out = set()
-        for t in stop_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= t < vocab:
-                raise ValueError(f"stop_token_ids: expected ids in [0, vocab={vocab}), got {t!r}")
-            out.add(int(t))
-        return frozenset(out)
+        return frozenset(stop_token_set(self.model.config, stop_token_ids, "stop_token_ids"))
 
     # -- the scheduling step ------------------------------------------------------------
 

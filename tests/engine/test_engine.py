@@ -191,6 +191,9 @@ def test_submit_refusals_name_the_numbers(model, engine):
             eng.submit([1], 0)
         with pytest.raises(ValueError, match=r"prompt: expected at least one token"):
             eng.submit([], 3)
+        with pytest.raises(ValueError, match=r"stop_token_ids: expected token ids in "
+                           r"\[0, vocab=512\), got 512"):  # fmt: skip
+            eng.submit([1], 3, stop_token_ids=[512])
         with pytest.raises(ValueError, match=r"stop strings need a tokenizer"):
             eng.submit([1], 3, stop="x")
         with pytest.raises(ValueError, match=r"sampling: expected a jax_kv.Sampling"):
