@@ -42,7 +42,7 @@ for s in $STAGES; do
         | tee "$OUT/generator.log" | tail -15 ;;
     cache)
       stage "cache + memory"
-      timeout -k 10 60 python3 -m pytest -m gpu tests/cache tests/memory -q -p no:cacheprovider -p no:benchmark 2>&1 \
+      timeout -k 10 ${CACHE_TIMEOUT:-150} python3 -m pytest -m gpu tests/cache tests/memory -q -p no:cacheprovider -p no:benchmark 2>&1 \
         | tee "$OUT/cache.log" | tail -3 ;;
     attn)
       stage "bench/attention.py"
