@@ -49,6 +49,12 @@ def make(arena, *, hkv=2, max_len=1000, dtype=jnp.float32, **kw):
     )  # fmt: skip
 
 
+def granule_tokens(arena):
+    """Tokens per granule of a binding: 128 on the host arena, 4,096 on CUDA's 2 MiB."""
+    with make(arena) as probe:
+        return probe.granule // probe.token_bytes
+
+
 def write_token_rows(cache, b, n, value):
     """Writes `value` into the first n tokens of slot b of every binding (host bytes)."""
     row = np.full((n * cache.token_bytes // 4,), value, np.float32).tobytes()
@@ -76,7 +82,7 @@ def test_geometry_slots_are_whole_granules_and_tokens(arena):
 
 
 def test_ensure_and_release_follow_the_slot(arena):
-    with make(arena) as cache:
+    with make(arena, max_len=4 * granule_tokens(arena)) as cache:
         g_tokens = cache.granule // cache.token_bytes
         n0 = cache.ensure_slot(0, 1)
         assert n0 == 1 and cache.granules_for(1) == 1
@@ -126,10 +132,10 @@ def test_refusals_leave_the_cache_as_it_was(arena):
 
 
 def test_budget_refuses_all_or_nothing(arena):
-    with make(arena) as probe:
+    g_tokens = granule_tokens(arena)
+    with make(arena, max_len=4 * g_tokens) as probe:
         per_granule = probe.bindings * probe.granule
-        g_tokens = probe.granule // probe.token_bytes
-    with make(arena, budget_bytes=3 * per_granule) as cache:
+    with make(arena, max_len=4 * g_tokens, budget_bytes=3 * per_granule) as cache:
         cache.ensure_slot(0, 2 * g_tokens)
         assert cache.available_bytes() <= per_granule
         with pytest.raises(ArenaExhausted, match=r"slot 3 needs .* more bytes for .* tokens"):

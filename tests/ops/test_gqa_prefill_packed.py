@@ -328,7 +328,10 @@ def latched_call(platform, a, lengths, cu_seqlens, committed=None):
         donate_argnums=(3, 4),
     )  # fmt: skip
     committed = jnp.full((B,), S, jnp.int32) if committed is None else committed
-    xs = put(device, a["q"], a["k"], a["v"], a["k_cache"], a["v_cache"])
+    # Fresh device copies: the call donates the caches, and on the GPU `put` of an array already
+    # there would hand over the fixture's own buffers.
+    host = (np.asarray(a[n]) for n in ("q", "k", "v", "k_cache", "v_cache"))
+    xs = put(device, *host)
     xs += put(device, lengths, cu_seqlens, committed)
     return tuple(np.asarray(x) for x in step(*xs))
 
