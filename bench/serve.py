@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -49,6 +50,29 @@ from jax_kv.decode import Generator  # noqa: E402
 from jax_kv.engine import Engine  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e, the issue's roofline
+
+
+class Heartbeat:
+    """A progress line every `every` seconds (stderr): a slow run shows where it is instead of
+    going silent until its row (the first 8B run was killed at its limit with no line)."""
+
+    def __init__(self, eng: Engine, n: int) -> None:
+        every = float(os.environ.get("SERVE_HEARTBEAT_S", 15))
+        self.eng, self.n, self.every, self.next = eng, n, every, every
+
+    def __call__(self, now: float, submitted: int, steps: list, host: list) -> None:
+        if now < self.next:
+            return
+        self.next = now + self.every
+        s, k = self.eng.stats, min(len(steps), 50)
+        recent = f"{np.mean(steps[-k:]) * 1e3:.1f} ms/step ({np.mean(host[-k:]) * 1e3:.1f} host)"
+        print(
+            f"  [{now:.0f} s] submitted {submitted}/{self.n}, running {self.eng.num_running}, "
+            f"waiting {self.eng.num_waiting}, finished {sum(s.finished.values())}, steps "
+            f"{s.steps}, decode tokens {s.decode_tokens}, last {k} steps "
+            f"{recent if k else '-'}",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -149,8 +173,10 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> 
         calls = (lambda: int(sum(cuda.host_calls().values()))) if cuda is not None else None
         host_calls: list[int] = []  # per decode-only step: 0 = the recorded graph replayed
         nxt, t0 = 0, time.perf_counter()
+        beat = Heartbeat(eng, n)
         while nxt < n or eng.has_work():
             now = time.perf_counter() - t0
+            beat(now, nxt, steps, host)
             while nxt < n and arrivals[order[nxt]] <= now:
                 i = int(order[nxt])
                 reqs[i] = eng.submit(wl.prompts[i], wl.news[i], stop_token_ids=[])

@@ -36,6 +36,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_kv.memory._drivers import ArenaError, ArenaExhausted, CudaDriver, HostDriver
 
@@ -410,13 +411,37 @@ class VmmArena:
 
     def physical_bytes(self, regions: Iterable[Region]) -> int:
         """Physical bytes mapped in `regions`: a handle mapped at several of their addresses
-        (a shared granule) counts once. O(mapped granules of the arena)."""
+        (a shared granule) counts once.
+
+        Counted from whichever side is smaller: the granules of the arena's other regions
+        (an engine's cache is nearly all of its arena: its own count less the handles only
+        those others map), or every mapping, in NumPy. Read after every engine step by the
+        benchmarks: a Python set over 100k mappings had taken 70 ms."""
         g = self.granule
-        spans = [(r.offset // g, (r.offset + r.reserved_bytes) // g) for r in regions]
+        regions = list(regions)
         with self._lock:
-            mapped = self._state.mapped.items()
-            handles = {id(h) for i, h in mapped if any(lo <= i < hi for lo, hi in spans)}
-        return len(handles) * g
+            mapped, refs = self._state.mapped, self._state.refs
+            given = {r.offset for r in regions}
+            others = [r for off, r in self._regions.items() if off not in given]
+            if sum(r.reserved_bytes // g for r in others) <= len(mapped):
+                seen: dict[int, int] = {}  # handle -> its mappings inside the other regions
+                for r in others:
+                    first = r.offset // g
+                    for i in range(first, first + r.reserved_bytes // g):
+                        if i in mapped:
+                            h = id(mapped[i])
+                            seen[h] = seen.get(h, 0) + 1
+                only_others = sum(1 for h, n in seen.items() if refs[h] == n)
+                return (len(refs) - only_others) * g
+            if not mapped or not regions:
+                return 0
+            index = np.fromiter(mapped.keys(), np.int64, len(mapped))
+            handle = np.fromiter((id(h) for h in mapped.values()), np.int64, len(mapped))
+        spans = sorted((r.offset // g, (r.offset + r.reserved_bytes) // g) for r in regions)
+        lo, hi = (np.array(x, np.int64) for x in zip(*spans, strict=True))
+        at = np.searchsorted(lo, index, side="right") - 1  # the span starting at or before
+        inside = (at >= 0) & (index < hi[np.maximum(at, 0)])
+        return len(np.unique(handle[inside])) * g
 
     @property
     def live_views(self) -> int:

@@ -56,6 +56,27 @@ def test_physical_memory_counts_once(arena, shared):
     assert s.handles_live == arena.driver.live_handles
 
 
+@pytest.mark.parametrize("spare", [0, 64], ids=["by-other-regions", "by-mappings"])
+def test_physical_bytes_of_some_regions_counts_a_shared_handle_once(arena, shared, spare):
+    """Against the arena's own count (all regions) and by hand: src holds 4 handles, dst maps 3
+    of them and commits 1 of its own; a third region commits 2 that neither of the others maps.
+    A spare reserved region of 64 granules makes the regions left out outnumber the mappings:
+    the count then goes over the mappings instead of over the regions left out."""
+    src, dst = shared
+    if spare:
+        arena.allocate(spare * G)
+    dst.commit(G)  # dst's granule 0: a handle of its own
+    other = arena.allocate(4 * G)
+    other.commit(2 * G)
+    assert arena.physical_bytes([src, dst, other]) == arena.committed_bytes == 7 * G
+    assert arena.physical_bytes([src]) == 4 * G
+    assert arena.physical_bytes([dst]) == 4 * G  # 3 shared + its own
+    assert arena.physical_bytes([dst, src]) == 5 * G  # the shared three once
+    assert arena.physical_bytes([other]) == 2 * G
+    assert arena.physical_bytes([other, dst]) == 6 * G
+    assert arena.physical_bytes([]) == 0
+
+
 @pytest.mark.parametrize("first", ["dst", "src"])
 def test_unmapping_one_mapping_leaves_the_others(arena, shared, first):
     src, dst = shared
