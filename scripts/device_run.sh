@@ -2,7 +2,7 @@
 # One device call: build the CUDA module, run the GPU tests, run the benchmarks. Logs go to
 # $OUT (or ./device-out). Each stage has its own time limit so the whole fits one call.
 #   bash scripts/device_run.sh [stages...]   stages: build ops ops-off gen cache attn generate profile san
-#     prefill-profile failsafe vmm-san soak
+#     prefill-profile failsafe vmm-san soak serving prefill-bench serve serve-prefix serve-http issue20
 # GEN_MODELS, GEN_BATCH, GEN_TOKENS, GEN_IMPLS, GEN_TIMEOUT set bench/generate.py's run.
 # ATTN_ARGS passes options to bench/attention.py (e.g. "--decode-kernel auto,simt"), ATTN_TIMEOUT
 # its time limit in seconds (200); PROF_ARGS / PROF_TIMEOUT the same for bench/step_profile.py;
@@ -80,6 +80,52 @@ for s in $STAGES; do
       stage "bench/soak.py"
       timeout -k 10 ${SOAK_TIMEOUT:-200} python3 bench/soak.py --steps ${SOAK_STEPS:-20000} --out "$OUT" 2>&1 \
         | tee "$OUT/soak.log" | tail -14 ;;
+    serving)
+      stage "GPU tests of the serving stack (slot cache, shared granules, packed prefill, engine)"
+      timeout -k 10 ${SERVING_TIMEOUT:-240} python3 -m pytest -m gpu tests/cache/test_slots.py \
+        tests/memory/test_shared_granules.py tests/ops/test_gqa_prefill_packed.py \
+        tests/ops/test_committed_bound.py tests/engine tests/test_stubs.py -q -p no:cacheprovider \
+        -p no:benchmark -s -rs --tb=short 2>&1 | tee "$OUT/serving_tests.log" | tail -20 ;;
+    prefill-bench)
+      stage "bench/prefill.py (issue 30)"
+      timeout -k 10 ${PREFILL_TIMEOUT:-240} python3 bench/prefill.py --out "$OUT" ${PREFILL_ARGS:-} 2>&1 \
+        | grep -v -E "^\s*$|WARNING|gpu_hlo_schedule|rematerialization" | tee "$OUT/prefill.log" | tail -20 ;;
+    serve)
+      # Issue 21's table, sized to a device call: SERVE_REQUESTS requests of the mixed workload.
+      stage "bench/serve.py, mixed workload"
+      timeout -k 10 ${SERVE_TIMEOUT:-420} python3 bench/serve.py --model ${SERVE_MODEL:-llama-3-8b} \
+        --dtype bfloat16 --slots ${SERVE_SLOTS:-64} --max-len ${SERVE_MAX_LEN:-32768} \
+        --requests ${SERVE_REQUESTS:-200} --rates ${SERVE_RATES:-inf} \
+        --engines ${SERVE_ENGINES:-jax_kv,dense,static} --dense-slots ${SERVE_DENSE_SLOTS:-24} \
+        --static-requests ${SERVE_STATIC:-64} --out "$OUT" 2>&1 \
+        | grep -v -E "^\s*$|WARNING|gpu_hlo_schedule|rematerialization" | tee "$OUT/serve.log" | tail -30 ;;
+    serve-prefix)
+      stage "bench/serve.py, shared-prefix workload"
+      timeout -k 10 ${SERVE_TIMEOUT:-300} python3 bench/serve.py --model ${SERVE_MODEL:-llama-3-8b} \
+        --dtype bfloat16 --slots ${SERVE_SLOTS:-64} --max-len ${SERVE_MAX_LEN:-32768} \
+        --workload shared-prefix --groups 16 --per-group 16 --engines jax_kv,jax_kv-noprefix \
+        --out "$OUT" 2>&1 | grep -v -E "^\s*$|WARNING|gpu_hlo_schedule|rematerialization" \
+        | tee "$OUT/serve_prefix.log" | tail -20 ;;
+    serve-http)
+      stage "bench/serve_http.py"
+      timeout -k 10 ${HTTP_TIMEOUT:-300} python3 bench/serve_http.py --random-weights llama-3-8b \
+        --dtype bfloat16 --max-slots 64 --max-len 4096 --clients 200 --out "$OUT" 2>&1 \
+        | grep -v -E "^\s*$|WARNING|gpu_hlo_schedule|rematerialization" | tee "$OUT/serve_http.log" | tail -20 ;;
+    issue20)
+      # Issue 20's before/after: the tree before the consolidation (0cf8012, carried as
+      # before.tgz: `git archive 0cf8012 | gzip > before.tgz`, untracked) against this one, each
+      # built into its own --target directory; the editable install would shadow either.
+      stage "issue 20: bench/attention.py decode + bench/generate.py B=1, before and after"
+      python3 -m pip uninstall -y -q jax_kv >/dev/null 2>&1
+      mkdir -p /tmp/before /tmp/after && tar xzf before.tgz -C /tmp/before && tar --exclude=./.git --exclude=./build --exclude=./before.tgz --exclude=./.whl -cf - . | tar x -C /tmp/after
+      for t in before after; do (cd /tmp/$t && JAX_KV_CUDA=ON python3 -m pip install -q --no-build-isolation \
+        --no-deps --target /tmp/${t}_site . > "$OUT/build_$t.log" 2>&1) & done; wait
+      for t in before after; do (cd /tmp/$t && PYTHONPATH=/tmp/${t}_site:${PYTHONPATH:-} timeout -k 10 150 \
+        python3 bench/attention.py --out "$OUT/$t" --parts decode 2>&1 | tail -25); done | tee "$OUT/issue20_attention.log"
+      for t in before after; do (cd /tmp/$t && PYTHONPATH=/tmp/${t}_site:${PYTHONPATH:-} timeout -k 10 150 \
+        python3 bench/generate.py --out "$OUT/$t" --models qwen2.5-0.5b --batch 1 --new-tokens 256 \
+        --impls jax_kv-seq,jax_kv-seq@8,plain-jax 2>&1 | grep -v -E "^\s*$|WARNING" | tail -12); done \
+        | tee "$OUT/issue20_generate.log" ;;
     prefill-profile)
       # No package build needed: bench/prefill_profile.cu links the prefill kernels alone.
       stage "bench/prefill_profile.cu (+ ncu on the default wgmma kernel)"
