@@ -1,0 +1,98 @@
+"""The Engine's host work per step at a serving geometry, with the device steps stubbed out:
+what Python costs per scheduling iteration, apart from the GPU (issue 21's "host time per step").
+
+The cache has the 8B run's shape in granules (64 slots x 32k tokens, 32 layers x K/V = 64
+bindings, 1,024 tokens per granule) on the host arena, with 64 KiB granules and 64-byte
+tokens, so that it fits a CPU machine. `Engine._call` returns random tokens at once: each step
+does the scheduling, commits, releases, prefix blocks and emits, but computes nothing. It also
+times the benchmark's per-step reads (held, committed and live bytes).
+
+    python bench/engine_host.py [--requests 200] [--no-prefix] [--decode-only] [--profile]
+
+The host driver zeroes committed granules with memset and maps each with mmap; the CUDA driver
+does both asynchronously. Those lines of the profile are this stand-in's cost. The zero mappings
+need `vm.max_map_count` above 262k: `sysctl -w vm.max_map_count=2000000`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import pstats
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+import jax_kv.models as jm
+from jax_kv.engine import Engine
+from jax_kv.memory import host_arena
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--no-prefix", action="store_true", help="the prefix cache off")
+    ap.add_argument("--decode-only", action="store_true", help="100-token prompts, 400 out")
+    ap.add_argument("--profile", action="store_true", help="cProfile the steps (top 25)")
+    args = ap.parse_args()
+
+    # 1 KV head of 32 bf16: 64-byte tokens, 1,024 to a 64 KiB granule, as 2 KiB tokens are to
+    # the 8B's 2 MiB granule.
+    config = dataclasses.replace(
+        jm.PRESETS["tiny-llama"], num_layers=32, num_q_heads=1, num_kv_heads=1, head_dim=32,
+        hidden_size=32, intermediate_size=32, max_position_embeddings=32768, rope_scaling=None,
+    )  # fmt: skip
+    model = jm.random_model(config, seed=0, dtype=jnp.bfloat16)
+    t0 = time.perf_counter()
+    arena = host_arena(reserve_bytes=20 << 30, granule=64 << 10)
+    eng = Engine(model, max_slots=args.slots, max_len=32768, prefill_chunk_tokens=512,
+                 arena=arena, prefix_cache=not args.no_prefix)  # fmt: skip
+    print(f"engine built in {time.perf_counter() - t0:.2f} s", flush=True)
+    rng = np.random.default_rng(0)
+    B, n = eng.max_slots, args.requests
+
+    def stub(kind, *step_args):  # (sampled [B], status [B], device seconds)
+        return rng.integers(3, 500, B).astype(np.int32), np.zeros(B, np.int32), 0.0
+
+    eng._call = stub
+    if args.decode_only:
+        prompts, outs = np.full(n, 100), np.full(n, 400)
+    else:  # bench/serve.py's mixed workload
+        prompts = np.minimum(rng.lognormal(np.log(300), 1.0, n).astype(int) + 1, 8192)
+        outs = np.minimum(rng.lognormal(np.log(200), 1.0, n).astype(int) + 1, 2048)
+    for p, o in zip(prompts, outs, strict=True):
+        eng.submit([int(t) for t in rng.integers(3, 500, p)], int(o), stop_token_ids=[])
+    cache, profile = eng.cache, cProfile.Profile()
+    step_s, read_s, full = [], [], []
+    while eng.has_work():
+        t = time.perf_counter()
+        if args.profile:
+            profile.enable()
+        eng.step()
+        if args.profile:
+            profile.disable()
+        step_s.append(time.perf_counter() - t)
+        full.append(eng.last_step.decode_rows >= 0.9 * B and not eng.last_step.prefill_tokens)
+        t = time.perf_counter()
+        _ = (cache.held_bytes, cache.committed_bytes, cache.live_bytes)
+        read_s.append(time.perf_counter() - t)
+    steps = np.array(step_s) * 1e3
+    busy = steps[np.array(full)]
+    print(
+        f"{len(steps)} steps, {int(outs.sum())} tokens out: host {np.mean(steps):.2f} ms/step "
+        f"(p50 {np.median(steps):.2f}, p99 {np.percentile(steps, 99):.2f}); decode-only steps "
+        f"at >= 90% busy slots: {len(busy)}, "
+        f"{np.median(busy) if len(busy) else float('nan'):.2f} ms median; the bench's reads "
+        f"{np.mean(read_s) * 1e3:.3f} ms/step"
+    )  # fmt: skip
+    if args.profile:
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+    eng.close()
+    arena.close()
+
+
+if __name__ == "__main__":
+    main()
