@@ -58,6 +58,8 @@ wheel-smoke: install
 test: lint
 	$(MAKE) --no-print-directory wheel-smoke
 	$(BIN)/python -m pytest -q
+	# The tensor-parallel tests need 4 devices, a flag JAX reads once at start: their own run.
+	XLA_FLAGS=--xla_force_host_platform_device_count=4 $(BIN)/python -m pytest -q tests/parallel
 
 format: install-test
 	$(BIN)/ruff format $(PY_FILES)

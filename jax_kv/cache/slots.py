@@ -37,6 +37,7 @@ from jax_kv.cache.capacity import CapacityError
 from jax_kv.cache.kv_cache import default_arena
 from jax_kv.layout import Layout
 from jax_kv.memory import ArenaError, ArenaExhausted, Region, VmmArena
+from jax_kv.parallel import cache_sharding, check_tp, mesh_size
 
 DEFAULT_GRANULE_BYTES = 2 << 20  # the eager path's accounting block: the H200's VMM granule
 
@@ -56,6 +57,9 @@ class SlotCache:
         prefix_store: reserve a prefix store (VMM only) of as many blocks as all slots hold.
             A block is the fewest tokens that fill whole granules (`block_tokens`); the store
             maps blocks of the slots' granules (no copy), and maps them into other slots.
+        mesh: a jax.sharding.Mesh with a "tp" axis (jax_kv.parallel): each array's Hkv axis
+            is split over it, every device holding its KV heads of every slot (eager arena;
+            per-device VMM arenas are not built yet). The byte counts are over all devices.
     """
 
     layout = Layout.SEQ_MAJOR
@@ -73,6 +77,7 @@ class SlotCache:
         granule_bytes: int | None = None,
         budget_bytes: int | None = None,
         prefix_store: bool = False,
+        mesh: Any = None,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -90,6 +95,14 @@ class SlotCache:
         self.token_bytes = self.num_kv_heads * self.head_dim * self.dtype.itemsize
         self.arena = default_arena() if arena is None else arena
         self.is_vmm = isinstance(self.arena, VmmArena)
+        self.mesh = mesh
+        if mesh is not None:
+            if self.is_vmm:
+                raise ValueError(
+                    "mesh: a sharded SlotCache is built on an EagerArena for now; per-device "
+                    "VMM arenas under a mesh are not built yet"
+                )
+            check_tp(self.num_kv_heads, self.num_kv_heads, mesh_size(mesh))
         if self.is_vmm:
             self.granule = int(self.arena.granule)
             # A slot spans whole granules and whole tokens (S * token_bytes a multiple of
@@ -171,7 +184,10 @@ class SlotCache:
             for _ in range(self.bindings if self.store_blocks else 0):
                 self.store.append(arena.allocate(self.store_blocks * block_bytes))
         else:
-            arrays = [self.arena.zeros(self.shape, self.dtype) for _ in range(self.bindings)]
+            sharding = None if self.mesh is None else cache_sharding(self.mesh, self.layout)
+            arrays = [
+                self.arena.zeros(self.shape, self.dtype, sharding) for _ in range(self.bindings)
+            ]
             self.committed = jnp.zeros((self.num_slots,), jnp.int32)
         self.k, self.v = arrays[: self.num_layers], arrays[self.num_layers :]
 

@@ -26,6 +26,11 @@ class DecoderModel(Protocol):
     decode_step(params, tokens [B], caches, lengths [B], *, layout, committed)
         -> (logits [B, V], caches, status [B]): one token per sequence at lengths[b].
     Both run inside jax.jit with the caches donated: per layer (k_cache, v_cache) in `layout`.
+    Both take `attention=`, a function of the op's contract (jax_kv.parallel.head_sharded's
+    wrapper, under a mesh).
+
+    Optional, for tensor parallelism (jax_kv.parallel): partition_specs(axis) -> the
+    PartitionSpec pytree of `params` over a mesh axis.
     """
 
     config: Any

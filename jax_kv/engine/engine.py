@@ -49,6 +49,8 @@ from jax_kv.engine.request import (
 )
 from jax_kv.layout import Layout
 from jax_kv.memory import ArenaExhausted, VmmArena
+from jax_kv.ops import gqa_decode, gqa_prefill_packed
+from jax_kv.parallel import check_tp, head_sharded, mesh_size, shard_params
 
 PREFILL_MIN_TOKENS = 16  # the smallest prefill bucket
 DEFAULT_MAX_LEN = 4096  # when neither the caller nor the model bounds a sequence lower
@@ -147,7 +149,12 @@ class Engine:
         kv_budget_bytes: the most KV bytes the slots may hold (default: what the arena can
             commit; on the eager path every slot at max_len).
         granule_bytes: the eager path's accounting granule (SlotCache).
-        fuse_projections: as in Generator.
+        fuse_projections: as in Generator (default: on, off with a mesh).
+        mesh: a jax.sharding.Mesh with a "tp" axis (jax_kv.parallel.tp_mesh): tensor
+            parallelism over KV heads. The params are sharded Megatron-style (a copy of
+            model.params laid out over the mesh), the cache's KV heads are split over the
+            devices, and the attention ops run per shard under shard_map; greedy tokens equal
+            the unsharded engine's. Needs an EagerArena for now.
         prefix_cache: share the K/V of common prompt prefixes between requests (whole
             blocks of granules mapped into each slot, jax_kv.engine.prefix); needs a
             VmmArena; default: on where the arena is one.
@@ -164,8 +171,9 @@ class Engine:
         arena: Any = None,
         kv_budget_bytes: int | None = None,
         granule_bytes: int | None = None,
-        fuse_projections: bool = True,
+        fuse_projections: bool | None = None,
         prefix_cache: bool | None = None,
+        mesh: Any = None,
     ) -> None:
         if not isinstance(model, DecoderModel):
             raise ValueError(
@@ -188,7 +196,23 @@ class Engine:
                 f"{max_len}"
             )
         self.model = model
-        self.params = model.fused_params() if fuse_projections else model.params
+        self.mesh = mesh
+        self._attention: dict[str, Any] = {}
+        if mesh is None:
+            fuse = True if fuse_projections is None else bool(fuse_projections)
+            self.params = model.fused_params() if fuse else model.params
+        else:
+            if fuse_projections:
+                raise ValueError(
+                    "fuse_projections: tensor parallelism shards the unfused q/k/v and gate/up "
+                    "weights; leave it None or False with a mesh"
+                )
+            check_tp(config.num_q_heads, config.num_kv_heads, mesh_size(mesh))
+            self.params = shard_params(model, mesh)
+            self._attention = dict(
+                prefill=head_sharded(gqa_prefill_packed, mesh),
+                decode=head_sharded(gqa_decode, mesh),
+            )
         # Resolved here once (the cache takes it as given): whether it is a VmmArena decides
         # the prefix cache's default.
         arena = default_arena() if arena is None else arena
@@ -208,6 +232,7 @@ class Engine:
             granule_bytes=granule_bytes,
             budget_bytes=kv_budget_bytes,
             prefix_store=bool(prefix_cache),
+            mesh=mesh,
         )
         self.prefix = PrefixCache(self.cache) if prefix_cache else None
         self.stats = EngineStats()
@@ -241,13 +266,14 @@ class Engine:
 
     def _prefill_fn(self) -> Any:
         model = self.model
+        attention = {"attention": self._attention["prefill"]} if self._attention else {}
 
         def run(params, tokens, cu_seqlens, caches, lengths, committed, temp, top_k, top_p,
                 seeds):  # fmt: skip
             self._traces["prefill"] += 1  # runs while tracing only
             logits, caches, status = model.prefill_packed(
                 params, tokens, cu_seqlens, caches, lengths, layout=Layout.SEQ_MAJOR,
-                committed=committed,
+                committed=committed, **attention,
             )  # fmt: skip
             positions = lengths + (cu_seqlens[1:] - cu_seqlens[:-1])
             keys = _row_keys(seeds, positions)
@@ -257,12 +283,14 @@ class Engine:
 
     def _decode_fn(self) -> Any:
         model = self.model
+        attention = {"attention": self._attention["decode"]} if self._attention else {}
 
         def run(params, tokens, caches, lengths, committed, temp, top_k, top_p, seeds):
             self._traces["decode"] += 1
             logits, caches, status = model.decode_step(
-                params, tokens, caches, lengths, layout=Layout.SEQ_MAJOR, committed=committed
-            )
+                params, tokens, caches, lengths, layout=Layout.SEQ_MAJOR, committed=committed,
+                **attention,
+            )  # fmt: skip
             keys = _row_keys(seeds, lengths + 1)
             return sample_rows(logits, keys, temp, top_k, top_p), caches, status
 

@@ -63,12 +63,17 @@ class EagerArena:
                 f"(limit {self.limit_bytes})"
             )
 
-    def zeros(self, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    def zeros(self, shape: tuple[int, ...], dtype: Any, sharding: Any = None) -> jax.Array:
+        """Zeros of `shape` on the arena's device, or laid out as `sharding` (a
+        jax.sharding.Sharding: each device makes only its own shard)."""
         nbytes = math.prod(shape) * jnp.dtype(dtype).itemsize
         self.reserve(nbytes)
         try:
-            with jax.default_device(self.device):
-                array = jnp.zeros(shape, dtype)
+            if sharding is not None:
+                array = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+            else:
+                with jax.default_device(self.device):
+                    array = jnp.zeros(shape, dtype)
         except Exception as e:  # XLA's RESOURCE_EXHAUSTED
             if "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in str(e):
                 raise ArenaExhausted(

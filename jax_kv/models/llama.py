@@ -429,6 +429,39 @@ def init_caches(
     return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)]
 
 
+# Megatron-style tensor parallelism over a mesh axis: q/k/v, gate and up are column-parallel
+# (their output rows split, whole heads and hidden units per shard), wo and w_down row-parallel
+# (their input columns split: each shard's partial sum, then one all-reduce XLA inserts).
+_COLUMN_PARALLEL = ("wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up")
+_ROW_PARALLEL = ("wo", "w_down")
+
+
+def partition_specs(params: Params, axis: str = "tp") -> Any:
+    """The PartitionSpec of each param for tensor parallelism over `axis` (a pytree like
+    params): column-parallel q/k/v/gate/up, row-parallel wo/down, the rest replicated.
+
+    Fused weights (`fuse_projections`) are refused: their concatenated rows (q, k, v; gate,
+    up) would split across the wrong boundary. Shard the unfused params, then run the step.
+    """
+    P = jax.sharding.PartitionSpec
+
+    def layer_spec(name: str, w: Any) -> Any:
+        if name in _FUSED:
+            raise ValueError(
+                f"params: layer weight {name!r} is fused; tensor parallelism shards the "
+                f"unfused {', '.join(_FUSED[name])} (load without fuse_projections)"
+            )
+        if name in _COLUMN_PARALLEL:
+            return P(axis, *([None] * (len(w.shape) - 1)))
+        if name in _ROW_PARALLEL:
+            return P(None, axis)
+        return P()
+
+    specs: dict[str, Any] = {k: P() for k in params if k != "layers"}
+    specs["layers"] = [{n: layer_spec(n, w) for n, w in p.items()} for p in params["layers"]]
+    return specs
+
+
 @functools.partial(jax.jit, static_argnames=("shape", "dtype", "scale"))
 def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any, scale: float) -> jax.Array:
     return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
@@ -471,6 +504,7 @@ __all__ = [
     "decode_step_jit",
     "init_caches",
     "param_shapes",
+    "partition_specs",
     "prefill",
     "prefill_jit",
     "random_params",

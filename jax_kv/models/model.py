@@ -115,6 +115,11 @@ class Model:
         """llama.decode_step with this model's config: one token per sequence."""
         return llama.decode_step(params, self.config, tokens, caches, lengths, **kw)
 
+    def partition_specs(self, axis: str = "tp") -> Any:
+        """The PartitionSpec pytree of `params` for tensor parallelism over `axis`
+        (llama.partition_specs: Megatron-style, on the unfused weights)."""
+        return llama.partition_specs(self.params, axis)
+
     def fused_params(self) -> llama.Params:
         """The params with one q/k/v and one gate/up matmul per layer, as a new pytree that
         shares every other array: nothing of `self.params` is modified or deleted."""

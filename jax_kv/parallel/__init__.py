@@ -1,0 +1,141 @@
+"""Tensor parallelism over KV heads (issue 28): a mesh axis splits every layer's KV heads (and
+the query heads that read them) over devices, as jax-llm-examples, MaxText and vLLM do.
+
+- `tp_mesh(tp)`: a one-axis `Mesh` named "tp" over the first tp devices.
+- `head_sharded(op, mesh)`: an attention op (`gqa_decode`, `gqa_prefill`, `gqa_prefill_packed`)
+  run under `shard_map`, each device on its own heads. Its contract is the op's: q, k, v and
+  the caches are global arrays whose head axes are split over the mesh; per-row values
+  (lengths, cu_seqlens, committed, new_lengths) are replicated; the caches are updated in
+  place per shard (donate them); the status, where asked, is the maximum over shards.
+- `cache_sharding(mesh, layout)`: the `NamedSharding` of a cache `[B, S, Hkv, D]` (seq-major)
+  or `[B, Hkv, S, D]` (head-major) with Hkv split.
+- `check_tp(config, tp)`: refuses a mesh the model cannot split, by name.
+
+The projections are sharded Megatron-style through `jax_kv.models.llama.partition_specs`:
+each shard computes its own heads' q/k/v and its part of the MLP's hidden units; the output and
+down projections are row-parallel and XLA adds one all-reduce after each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_kv.layout import Layout
+
+TP_AXIS = "tp"
+
+# Per-row arrays an op may take by keyword: replicated on every shard.
+_ROW_KEYWORDS = ("new_lengths", "committed")
+
+
+def tp_mesh(tp: int, devices: Sequence[Any] | None = None) -> Mesh:
+    """A Mesh of `tp` devices on the axis "tp" (default: the first tp of jax.devices())."""
+    if isinstance(tp, bool) or not isinstance(tp, int | np.integer) or tp < 1:
+        raise ValueError(f"tp: expected an int >= 1, got {tp!r}")
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) < tp:
+        raise ValueError(f"tp: {tp} devices asked for, {len(devices)} present")
+    return Mesh(np.array(devices[:tp]), (TP_AXIS,))
+
+
+def mesh_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else int(mesh.shape[TP_AXIS])
+
+
+def check_tp(num_q_heads: int, num_kv_heads: int, tp: int) -> None:
+    """Refuses a split that would break a KV head or its group of query heads."""
+    if num_kv_heads % tp:
+        raise ValueError(
+            f"mesh: tp={tp} does not divide num_kv_heads={num_kv_heads}; KV heads are split "
+            f"over the tp axis, whole"
+        )
+    if num_q_heads % tp:
+        raise ValueError(f"mesh: tp={tp} does not divide num_q_heads={num_q_heads}")
+
+
+def cache_spec(layout: Layout | str | int) -> P:
+    """The PartitionSpec of a cache array: its Hkv axis on "tp"."""
+    if Layout.parse(layout) == Layout.SEQ_MAJOR:
+        return P(None, None, TP_AXIS, None)  # [B, S, Hkv, D]
+    return P(None, TP_AXIS, None, None)  # [B, Hkv, S, D]
+
+
+def cache_sharding(mesh: Mesh, layout: Layout | str | int) -> NamedSharding:
+    return NamedSharding(mesh, cache_spec(layout))
+
+
+def shard_params(model: Any, mesh: Mesh) -> Any:
+    """A copy of model.params laid out over mesh's "tp" axis as the model's
+    `partition_specs(axis)` says (Megatron-style for jax_kv.models: column-parallel q/k/v and
+    gate/up, row-parallel wo and down, the rest replicated)."""
+    specs_of = getattr(model, "partition_specs", None)
+    if specs_of is None:
+        raise ValueError(
+            f"mesh: {type(model).__name__} has no partition_specs(axis): tensor parallelism "
+            f"needs the model's layout of its params over the tp axis"
+        )
+    specs = specs_of(TP_AXIS)
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+    )
+    return jax.device_put(model.params, shardings)
+
+
+def head_sharded(op: Callable[..., tuple], mesh: Mesh) -> Callable[..., tuple]:
+    """`op` with its contract, run per shard of mesh's "tp" axis on that shard's heads.
+
+    q, k, v carry heads on their second-to-last axis ([B, Hq, D], [N, Hq, D], [B, T, Hq, D]);
+    the caches as `cache_spec(layout)`. Positional arguments after the caches (lengths,
+    cu_seqlens) and the keywords new_lengths / committed are per-row values, replicated.
+    Every shard sees the same rows, so each computes the same status; it is reduced with a
+    max over the axis all the same, so a shard that latched is never hidden.
+    """
+    tp = mesh_size(mesh)
+
+    def call(q, k, v, k_cache, v_cache, *rows, layout, return_status=False, **kwargs):
+        layout = Layout.parse(layout)
+        hq, hkv = q.shape[-2], k.shape[-2]
+        check_tp(hq, hkv, tp)
+        arrays = {n: kwargs.pop(n) for n in _ROW_KEYWORDS if kwargs.get(n) is not None}
+        heads = P(*([None] * (q.ndim - 2)), TP_AXIS, None)
+        cache = cache_spec(layout)
+        names = tuple(arrays)
+
+        def body(q, k, v, k_cache, v_cache, *rest):
+            per_row = dict(zip(names, rest[len(rows) :], strict=True))
+            out = op(
+                q, k, v, k_cache, v_cache, *rest[: len(rows)], layout=layout,
+                return_status=return_status, **per_row, **kwargs,
+            )  # fmt: skip
+            if return_status:
+                return (*out[:3], jax.lax.pmax(out[3], TP_AXIS))
+            return out
+
+        in_specs = (heads, heads, heads, cache, cache) + (P(),) * (len(rows) + len(names))
+        out_specs = (heads, cache, cache) + ((P(),) if return_status else ())
+        sharded = jax.shard_map(
+            body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        )
+        return sharded(q, k, v, k_cache, v_cache, *rows, *arrays.values())
+
+    call.__name__ = f"head_sharded_{getattr(op, '__name__', 'op')}"
+    call.__doc__ = f"{getattr(op, '__name__', 'op')} split over the tp axis of {mesh}."
+    return call
+
+
+__all__ = [
+    "TP_AXIS",
+    "cache_sharding",
+    "cache_spec",
+    "check_tp",
+    "head_sharded",
+    "mesh_size",
+    "shard_params",
+    "tp_mesh",
+]

@@ -1,0 +1,185 @@
+"""Tensor parallelism over KV heads (issue 28, items 1-3) on forced host devices: the ops run per
+shard under shard_map (each device its KV heads and their query heads, caches updated in place
+per shard), the params are sharded Megatron-style (one all-reduce after wo and after down, no
+other collective), and the engine's greedy tokens at tp=2 and tp=4 equal tp=1's.
+
+Needs 4 devices: `make test` runs this file a second time with
+XLA_FLAGS=--xla_force_host_platform_device_count=4 (the flag must be set before JAX starts, so
+the suite's own run skips it)."""
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_kv.models as jm
+from jax_kv.decode import Generator
+from jax_kv.engine import Engine
+from jax_kv.layout import Layout
+from jax_kv.memory import EagerArena
+from jax_kv.models import llama
+from jax_kv.ops import gqa_decode, gqa_prefill, gqa_prefill_packed
+from jax_kv.parallel import cache_sharding, head_sharded, shard_params, tp_mesh
+
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < 4,
+    reason="needs 4 devices: XLA_FLAGS=--xla_force_host_platform_device_count=4 (make test)",
+)
+
+B, S, HQ, HKV, D = 3, 48, 8, 4, 64
+LAYOUTS = [Layout.SEQ_MAJOR, Layout.HEAD_MAJOR]
+
+
+def pointers(a):
+    return [s.data.unsafe_buffer_pointer() for s in a.addressable_shards]
+
+
+def sharded(mesh, layout, *caches):
+    return [jax.device_put(c, cache_sharding(mesh, layout)) for c in caches]
+
+
+def op_inputs(rng, layout, tokens):
+    shape = layout.cache_shape(B, S, HKV, D)
+    q = rng.standard_normal((tokens, HQ, D), np.float32)
+    k, v = (rng.standard_normal((tokens, HKV, D), np.float32) for _ in range(2))
+    kc, vc = (rng.standard_normal(shape, np.float32) for _ in range(2))
+    return q, k, v, kc, vc
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
+def test_decode_per_shard_equals_the_whole_op(rng, tp, layout):
+    mesh = tp_mesh(tp)
+    q, k, v, kc, vc = op_inputs(rng, layout, B)
+    lengths = jnp.array([0, 17, S - 1], jnp.int32)
+    committed = jnp.array([S, S, S - 1], jnp.int32)  # row 2 refused: its length is not backed
+    # Traced lengths (jit): the refused row latches instead of a Python refusal.
+    whole = jax.jit(functools.partial(gqa_decode, layout=layout, return_status=True))
+    want = whole(q, k, v, kc, vc, lengths, committed=committed)
+    step = jax.jit(
+        functools.partial(head_sharded(gqa_decode, mesh), layout=layout, return_status=True),
+        donate_argnums=(3, 4),
+    )
+    kc2, vc2 = sharded(mesh, layout, kc, vc)
+    before = pointers(kc2)
+    got = step(q, k, v, kc2, vc2, lengths, committed=committed)
+    assert pointers(got[1]) == before, "the cache moved: not updated in place per shard"
+    assert got[1].sharding.is_equivalent_to(cache_sharding(mesh, layout), 4)
+    assert np.asarray(got[3]).tolist() == [0, 0, 1]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
+def test_packed_and_padded_prefill_per_shard_equal_the_whole_op(rng, tp, layout):
+    mesh = tp_mesh(tp)
+    q, k, v, kc, vc = op_inputs(rng, layout, 24)
+    lengths = jnp.array([0, 9, 30], jnp.int32)
+    cu = jnp.array([0, 7, 7, 20], jnp.int32)  # 7 new, none, 13 new; rows 20..23 padding
+    want = gqa_prefill_packed(q, k, v, kc, vc, lengths, cu, layout=layout)
+    call = head_sharded(gqa_prefill_packed, mesh)
+    got = jax.jit(functools.partial(call, layout=layout), donate_argnums=(3, 4))(
+        q, k, v, *sharded(mesh, layout, kc, vc), lengths, cu
+    )
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    # The padded form, with new_lengths (a per-row keyword): [B, T, H, D].
+    qp, kp, vp = (x[:18].reshape(B, 6, *x.shape[1:]) for x in (q, k, v))
+    new = jnp.array([6, 0, 4], jnp.int32)
+    want = gqa_prefill(qp, kp, vp, kc, vc, lengths, new_lengths=new, layout=layout)
+    got = jax.jit(functools.partial(head_sharded(gqa_prefill, mesh), layout=layout))(
+        qp, kp, vp, *sharded(mesh, layout, kc, vc), lengths, new_lengths=new
+    )
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = dataclasses.replace(
+        jm.PRESETS["tiny-llama"], num_q_heads=HQ, num_kv_heads=HKV, hidden_size=128
+    )
+    return jm.random_model(config, seed=1)
+
+
+def test_megatron_params_need_one_all_reduce_per_row_parallel_projection(model):
+    """The decode step at tp=4: two all-reduces per layer (after wo, after down) and no other
+    collective; each shard's attention call sees its 2 query heads and its 1 KV head."""
+    mesh, layout, config = tp_mesh(4), Layout.SEQ_MAJOR, model.config
+    params = shard_params(model, mesh)
+    assert params["layers"][0]["wq"].sharding.spec == P("tp", None)
+    assert params["layers"][0]["wo"].sharding.spec == P(None, "tp")
+    assert params["embed"].sharding.spec == P()
+    plain = llama.init_caches(config, B, S, layout=layout)
+    caches = [tuple(sharded(mesh, layout, *kv)) for kv in plain]
+    step = jax.jit(
+        functools.partial(
+            llama.decode_step, config=config, layout=layout,
+            attention=head_sharded(gqa_decode, mesh),
+        ),
+        donate_argnames=("caches",),
+    )  # fmt: skip
+    zeros = jnp.zeros((B,), jnp.int32)
+    text = step.lower(params, tokens=zeros, caches=caches, lengths=zeros).compile().as_text()
+    ops = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+    count = {op: len(re.findall(rf"= \S+ {op}\(", text)) for op in ops}
+    assert count == {
+        "all-reduce": 2 * config.num_layers, "all-gather": 0, "all-to-all": 0,
+        "collective-permute": 0, "reduce-scatter": 0,
+    }, count  # fmt: skip
+    calls = [line for line in text.splitlines() if "custom-call(" in line]
+    assert calls and all(f"[{B},{HQ // 4},{D}]" in line for line in calls), calls[:1]
+
+
+def test_engine_tokens_at_tp_2_and_4_equal_tp_1_and_the_generator(model, rng):
+    prompts = [[int(t) for t in rng.integers(3, 500, n)] for n in (5, 70, 1, 33, 130, 9)]
+
+    def serve(mesh):
+        with Engine(model, max_slots=3, max_len=256, prefill_chunk_tokens=64,
+                    arena=EagerArena(), mesh=mesh) as eng:  # fmt: skip
+            reqs = [eng.submit(p, 20, stop_token_ids=[]) for p in prompts]
+            eng.run_until_idle()
+            assert eng.stats.decode_compiles == 1
+            if mesh is not None:
+                want_sharding = cache_sharding(mesh, Layout.SEQ_MAJOR)
+                assert eng.cache.k[0].sharding.is_equivalent_to(want_sharding, 4)
+            return [r.result().tokens for r in reqs]
+
+    alone = Generator(model, arena=EagerArena(), max_len=256)
+    want = [alone.generate([p], 20, stop_tokens=[]).tokens[0] for p in prompts]
+    assert serve(None) == want
+    for tp in (2, 4):
+        assert serve(tp_mesh(tp)) == want, f"tp={tp}"
+
+
+def test_refusals_name_the_argument(model):
+    with pytest.raises(ValueError, match=r"tp: expected an int >= 1, got 0"):
+        tp_mesh(0)
+    with pytest.raises(ValueError, match=r"tp: 5 devices asked for, 4 present"):
+        tp_mesh(5, jax.devices()[:4])
+    odd = jm.random_model("tiny-llama", seed=2)  # 2 KV heads
+    with pytest.raises(ValueError, match=r"tp=4 does not divide num_kv_heads=2"):
+        Engine(odd, max_slots=2, max_len=64, arena=EagerArena(), mesh=tp_mesh(4))
+    with pytest.raises(ValueError, match=r"fuse_projections: tensor parallelism shards"):
+        Engine(model, max_slots=2, max_len=64, arena=EagerArena(), mesh=tp_mesh(2),
+               fuse_projections=True)  # fmt: skip
+    with pytest.raises(ValueError, match=r"params: layer weight 'wqkv' is fused"):
+        llama.partition_specs(model.fused_params())
+
+
+def test_a_vmm_arena_under_a_mesh_is_refused_until_it_is_built(model):
+    from jax_kv.memory import host_arena
+
+    arena = host_arena(reserve_bytes=64 << 20)
+    try:
+        with pytest.raises(ValueError, match=r"mesh: a sharded SlotCache is built on an Eager"):
+            Engine(model, max_slots=2, max_len=64, arena=arena, mesh=tp_mesh(2))
+        assert arena.committed_bytes == 0
+    finally:
+        arena.close()
