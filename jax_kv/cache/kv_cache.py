@@ -16,7 +16,7 @@ from jax_kv.cache.events import GrowthEvent, GrowthReason
 from jax_kv.cache.growth import GrowthStrategy, growth_for
 from jax_kv.config import runtime_config
 from jax_kv.layout import Layout
-from jax_kv.memory import EagerArena, VmmArena
+from jax_kv.memory import EagerArena, MeshArena, VmmArena
 
 
 def _module_exists(name: str) -> bool:
@@ -28,14 +28,15 @@ def _module_exists(name: str) -> bool:
         return False
 
 
-def default_arena() -> Any:
-    """The arena JAX_KV_ARENA names (auto: a VmmArena on CUDA, else an EagerArena)."""
+def default_arena(mesh: Any = None) -> Any:
+    """The arena JAX_KV_ARENA names (auto: a VmmArena on CUDA, else an EagerArena); under a
+    mesh the VMM choice is a MeshArena (one VmmArena per device)."""
     choice = runtime_config().arena
     if choice == "eager":
         return EagerArena()
     has_cuda = _module_exists("cuda.bindings")
     if choice == "vmm" or (choice == "auto" and has_cuda and jax.default_backend() == "gpu"):
-        return VmmArena()
+        return VmmArena() if mesh is None else MeshArena(mesh)
     return EagerArena()
 
 

@@ -32,12 +32,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jax_kv.cache.capacity import CapacityError
 from jax_kv.cache.kv_cache import default_arena
 from jax_kv.layout import Layout
-from jax_kv.memory import ArenaError, ArenaExhausted, Region, VmmArena
-from jax_kv.parallel import cache_sharding, check_tp, mesh_size
+from jax_kv.memory import ArenaError, ArenaExhausted, MeshArena, Region, VmmArena
+from jax_kv.parallel import cache_sharding, cache_spec, check_tp, mesh_size
 
 DEFAULT_GRANULE_BYTES = 2 << 20  # the eager path's accounting block: the H200's VMM granule
 
@@ -58,8 +59,10 @@ class SlotCache:
             A block is the fewest tokens that fill whole granules (`block_tokens`); the store
             maps blocks of the slots' granules (no copy), and maps them into other slots.
         mesh: a jax.sharding.Mesh with a "tp" axis (jax_kv.parallel): each array's Hkv axis
-            is split over it, every device holding its KV heads of every slot (eager arena;
-            per-device VMM arenas are not built yet). The byte counts are over all devices.
+            is split over it, every device holding its KV heads of every slot. On VMM the
+            arena is a MeshArena (one VmmArena per device, default MeshArena(mesh)): a slot's
+            granules are committed on every device or on none. Byte counts (granule,
+            token_bytes, held, committed) are totals over the devices.
     """
 
     layout = Layout.SEQ_MAJOR
@@ -93,16 +96,18 @@ class SlotCache:
         self.dtype = jnp.dtype(dtype)
         self.max_len = int(max_len)
         self.token_bytes = self.num_kv_heads * self.head_dim * self.dtype.itemsize
-        self.arena = default_arena() if arena is None else arena
-        self.is_vmm = isinstance(self.arena, VmmArena)
         self.mesh = mesh
         if mesh is not None:
-            if self.is_vmm:
-                raise ValueError(
-                    "mesh: a sharded SlotCache is built on an EagerArena for now; per-device "
-                    "VMM arenas under a mesh are not built yet"
-                )
             check_tp(self.num_kv_heads, self.num_kv_heads, mesh_size(mesh))
+        self.arena = default_arena(mesh) if arena is None else arena
+        self.is_vmm = isinstance(self.arena, VmmArena | MeshArena)
+        if mesh is not None and isinstance(self.arena, VmmArena):
+            raise ValueError(
+                "arena: a VmmArena holds one device's memory; under a mesh pass a "
+                "jax_kv.memory.MeshArena(mesh) (one VmmArena per device) or an EagerArena"
+            )
+        if isinstance(self.arena, MeshArena) and self.arena.mesh != mesh:
+            raise ValueError("arena: the MeshArena's mesh is not the cache's `mesh`")
         if self.is_vmm:
             self.granule = int(self.arena.granule)
             # A slot spans whole granules and whole tokens (S * token_bytes a multiple of
@@ -171,18 +176,17 @@ class SlotCache:
 
     def _start(self) -> None:
         if self.is_vmm:
-            arena = self.arena
             for _ in range(self.bindings):
-                self.regions.append(arena.allocate(self.num_slots * self.slot_bytes))
-            self._control = arena.allocate(self.num_slots * 4)
+                self.regions.append(self._allocate(self.num_slots * self.slot_bytes))
+            self._control = self._allocate(self.num_slots * 4, replicated=True)
             self._control.commit(self.num_slots * 4)
-            arena.write(self._control.ptr, np.zeros((self.num_slots,), np.int32).tobytes())
+            self._write_control(np.zeros((self.num_slots,), np.int32))
             # Its address (held by a recorded CUDA graph) never changes: the host rewrites it.
             self.committed = self._control.export((self.num_slots,), jnp.int32)
             arrays = [r.export(self.shape, self.dtype) for r in self.regions]
             block_bytes = self.block_tokens * self.token_bytes
             for _ in range(self.bindings if self.store_blocks else 0):
-                self.store.append(arena.allocate(self.store_blocks * block_bytes))
+                self.store.append(self._allocate(self.store_blocks * block_bytes))
         else:
             sharding = None if self.mesh is None else cache_sharding(self.mesh, self.layout)
             arrays = [
@@ -456,9 +460,27 @@ class SlotCache:
     def _write_committed(self) -> None:
         values = np.ascontiguousarray(self.committed_tokens(), np.int32)
         if self._control is not None:
-            self.arena.write(self._control.ptr, values.tobytes())
+            self._write_control(values)
         else:
             self.committed = jnp.asarray(values)
+
+    def _allocate(self, nbytes: int, replicated: bool = False) -> Any:
+        """A region of the arena; under a mesh laid out as the cache arrays (Hkv split) or,
+        for the per-row control values, replicated on every device."""
+        if self.mesh is None:
+            return self.arena.allocate(nbytes)
+        return self.arena.allocate(nbytes, P() if replicated else cache_spec(self.layout))
+
+    def _write_control(self, values: np.ndarray) -> None:
+        if self.mesh is None:
+            self.arena.write(self._control.ptr, values.tobytes())
+        else:
+            self._control.write(0, values.tobytes())
+
+    def _holds(self, region: Any, array: jax.Array) -> bool:
+        if self.mesh is None:
+            return array.unsafe_buffer_pointer() == region.ptr
+        return region.holds(array)
 
     # -- the step protocol ---------------------------------------------------------------------
 
@@ -480,27 +502,32 @@ class SlotCache:
                         f"accept: array {i} expected {self.dtype.name} {list(self.shape)}, got "
                         f"{a.dtype} {list(a.shape)}"
                     )
-                if self.is_vmm and a.unsafe_buffer_pointer() != self.regions[i].ptr:
+                if self.is_vmm and not self._holds(self.regions[i], a):
                     a.block_until_ready()  # a failed step's error is the cause: raised here
                     raise ArenaError(
-                        f"accept: output cache {i} moved from {self.regions[i].ptr:#x}: donate "
-                        f"the cache arrays to the step so XLA updates them in place"
+                        f"accept: output cache {i} is not the arena's memory (it moved): "
+                        f"donate the cache arrays to the step so XLA updates them in place"
                     )
         self.k, self.v = list(k), list(v)
 
     def _write_back(self, outputs: list[jax.Array]) -> None:
         """The host driver's path (see `writes_back`): each slot's committed bytes of the
         step's outputs go back into its granules; the outputs are dropped, the views stay."""
+        spans = []
+        for b in np.flatnonzero(self.granules):
+            # The leading shared blocks are mapped read-only and no step writes them.
+            skip = len(self.slot_shared[b]) * self._block_bytes()
+            lo = int(b) * self.slot_bytes + skip
+            spans.append((lo, int(self.granules[b]) * self.granule - skip))
         for region, out in zip(self.regions, outputs, strict=True):
-            data = np.asarray(out).reshape(-1).view(np.uint8)
-            for b in np.flatnonzero(self.granules):
-                # The leading shared blocks are mapped read-only and no step writes them.
-                skip = len(self.slot_shared[b]) * self._block_bytes()
-                lo = int(b) * self.slot_bytes + skip
-                n = int(self.granules[b]) * self.granule - skip
-                self.arena.write(region.ptr + lo, data[lo : lo + n].tobytes())
-                self.write_back_bytes += n
-            del data
+            if self.mesh is not None:
+                self.write_back_bytes += region.write_spans(out, spans)
+            else:
+                data = np.asarray(out).reshape(-1).view(np.uint8)
+                for lo, n in spans:
+                    self.arena.write(region.ptr + lo, data[lo : lo + n].tobytes())
+                    self.write_back_bytes += n
+                del data
             out.delete()
 
 

@@ -48,7 +48,7 @@ from jax_kv.engine.request import (
     TextStream,
 )
 from jax_kv.layout import Layout
-from jax_kv.memory import ArenaExhausted, VmmArena
+from jax_kv.memory import ArenaExhausted, MeshArena, VmmArena
 from jax_kv.ops import gqa_decode, gqa_prefill_packed
 from jax_kv.parallel import check_tp, head_sharded, mesh_size, shard_params
 
@@ -154,7 +154,8 @@ class Engine:
             parallelism over KV heads. The params are sharded Megatron-style (a copy of
             model.params laid out over the mesh), the cache's KV heads are split over the
             devices, and the attention ops run per shard under shard_map; greedy tokens equal
-            the unsharded engine's. Needs an EagerArena for now.
+            the unsharded engine's. The arena is then a MeshArena (VMM, one arena per device)
+            or an EagerArena.
         prefix_cache: share the K/V of common prompt prefixes between requests (whole
             blocks of granules mapped into each slot, jax_kv.engine.prefix); needs a
             VmmArena; default: on where the arena is one.
@@ -215,8 +216,8 @@ class Engine:
             )
         # Resolved here once (the cache takes it as given): whether it is a VmmArena decides
         # the prefix cache's default.
-        arena = default_arena() if arena is None else arena
-        vmm = isinstance(arena, VmmArena)
+        arena = default_arena(mesh) if arena is None else arena
+        vmm = isinstance(arena, VmmArena | MeshArena)
         if prefix_cache is None:
             prefix_cache = vmm
         elif prefix_cache and not vmm:

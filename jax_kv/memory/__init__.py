@@ -14,6 +14,7 @@ from jax_kv.memory.arena import (
     reservation_ladder,
 )
 from jax_kv.memory.eager import EagerArena, EagerStats
+from jax_kv.memory.mesh import MeshArena, MeshRegion
 
 __all__ = [
     "ArenaError",
@@ -24,6 +25,8 @@ __all__ = [
     "EagerArena",
     "EagerStats",
     "HostDriver",
+    "MeshArena",
+    "MeshRegion",
     "Region",
     "VmmArena",
     "host_arena",

@@ -1146,10 +1146,12 @@ def host_arena(
     granule: int = 64 << 10,
     limit_bytes: int | None = None,
     pool_bytes: int = 0,
+    device: Any = None,
 ) -> VmmArena:
-    """A VmmArena over host memory (HostDriver), exported to the JAX CPU device."""
+    """A VmmArena over host memory (HostDriver), its views placed on the JAX CPU `device`
+    (default the first)."""
     driver = HostDriver(granule=granule, total_memory=reserve_bytes, limit_bytes=limit_bytes)
-    return VmmArena(driver=driver, reserve_bytes=reserve_bytes, pool_bytes=pool_bytes)
+    return VmmArena(device, driver=driver, reserve_bytes=reserve_bytes, pool_bytes=pool_bytes)
 
 
 __all__ = [

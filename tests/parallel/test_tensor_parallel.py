@@ -1,7 +1,9 @@
 """Tensor parallelism over KV heads (issue 28, items 1-3) on forced host devices: the ops run per
 shard under shard_map (each device its KV heads and their query heads, caches updated in place
 per shard), the params are sharded Megatron-style (one all-reduce after wo and after down, no
-other collective), and the engine's greedy tokens at tp=2 and tp=4 equal tp=1's.
+other collective), each device's KV memory is its own VMM arena (MeshArena: commits on every
+device or on none, one global array over the per-device views, zero-copy), and the engine's
+greedy tokens at tp=2 and tp=4 equal tp=1's.
 
 Needs 4 devices: `make test` runs this file a second time with
 XLA_FLAGS=--xla_force_host_platform_device_count=4 (the flag must be set before JAX starts, so
@@ -15,13 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_kv.models as jm
 from jax_kv.decode import Generator
 from jax_kv.engine import Engine
 from jax_kv.layout import Layout
-from jax_kv.memory import EagerArena
+from jax_kv.memory import EagerArena, MeshArena, host_arena
 from jax_kv.models import llama
 from jax_kv.ops import gqa_decode, gqa_prefill, gqa_prefill_packed
 from jax_kv.parallel import cache_sharding, head_sharded, shard_params, tp_mesh
@@ -173,13 +176,118 @@ def test_refusals_name_the_argument(model):
         llama.partition_specs(model.fused_params())
 
 
-def test_a_vmm_arena_under_a_mesh_is_refused_until_it_is_built(model):
-    from jax_kv.memory import host_arena
-
+def test_a_one_device_vmm_arena_under_a_mesh_is_refused(model):
     arena = host_arena(reserve_bytes=64 << 20)
     try:
-        with pytest.raises(ValueError, match=r"mesh: a sharded SlotCache is built on an Eager"):
+        with pytest.raises(ValueError, match=r"arena: a VmmArena holds one device's memory"):
             Engine(model, max_slots=2, max_len=64, arena=arena, mesh=tp_mesh(2))
         assert arena.committed_bytes == 0
     finally:
         arena.close()
+
+
+# -- per-device VMM arenas (MeshArena) ------------------------------------------------------
+
+
+def mesh_arena(tp, **kw):
+    arenas = [
+        host_arena(reserve_bytes=64 << 20, granule=G, device=d, **kw) for d in jax.devices()[:tp]
+    ]  # fmt: skip
+    return MeshArena(tp_mesh(tp), arenas)
+
+
+G = 64 << 10
+SPLIT = P(None, None, "tp", None)
+
+
+def test_mesh_arena_exports_one_global_array_over_the_devices_zero_copy():
+    arena = mesh_arena(4)
+    region = arena.allocate(8 * G, SPLIT)  # 2 device granules per device
+    assert region.reserved_bytes == 8 * G and arena.granule == 4 * G
+    region.commit(8 * G)
+    for i, part in enumerate(region.parts):  # device i's shard: its KV heads, value i
+        arena.arenas[i].write(part.ptr, np.full((2 * G // 4,), i, np.float32).tobytes())
+    x = region.export((4, 128, 4, 64), jnp.float32)  # [B, S, Hkv, D]: one KV head per device
+    assert x.sharding.is_equivalent_to(NamedSharding(arena.mesh, SPLIT), 4)
+    assert [s.data.unsafe_buffer_pointer() for s in x.addressable_shards] == [
+        p.ptr for p in region.parts
+    ]  # fmt: skip
+    assert region.holds(x)
+    host = np.asarray(x)
+    assert all((host[:, :, h] == h).all() for h in range(4))
+    assert arena.committed_bytes == arena.physical_bytes([region]) == 8 * G
+    del x, host
+    arena.wait_unviewed([region])
+    region.free()
+    arena.close()
+
+
+def test_mesh_arena_commits_on_every_device_or_on_none():
+    """Device 2 can hold 1 granule: a commit of 2 per device fails there, and the devices
+    that had committed are rolled back; a commit of 1 per device succeeds everywhere."""
+    arenas = [
+        host_arena(
+            reserve_bytes=64 << 20, granule=G, device=d, limit_bytes=(2 if i == 2 else 64) * G
+        )  # 1 + the zero granule  # fmt: skip
+        for i, d in enumerate(jax.devices()[:4])
+    ]
+    arena = MeshArena(tp_mesh(4), arenas)
+    region = arena.allocate(16 * G, SPLIT)
+    with pytest.raises(Exception, match=r"(?i)exhaust|limit|memory"):
+        arena.commit([(region, 0, 8 * G)])
+    assert arena.committed_bytes == 0, [a.committed_bytes for a in arenas]
+    arena.commit([(region, 0, 4 * G)])
+    assert [a.committed_bytes for a in arenas] == [G] * 4
+    region.free()
+    arena.close()
+
+
+def test_mesh_arena_shares_and_copies_on_every_device():
+    arena = mesh_arena(2)
+    src, dst = arena.allocate(4 * G, SPLIT), arena.allocate(4 * G, SPLIT)
+    src.commit(4 * G)  # 2 device granules each
+    arena.share(src, 0, dst, 0, 4 * G)
+    assert arena.committed_bytes == 4 * G  # shared: counted once
+    assert arena.physical_bytes([dst]) == 4 * G and arena.physical_bytes([src, dst]) == 4 * G
+    assert arena.copy_on_write(dst, 2 * G, 2 * G) == 2  # one granule per device
+    assert arena.committed_bytes == 6 * G
+    arena.decommit_now([(dst, 0, 4 * G)])
+    assert arena.committed_bytes == 4 * G
+    for r in (src, dst):
+        r.free()
+    arena.close()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_engine_on_per_device_vmm_arenas_equals_tp_1(model, rng, tp):
+    """Slots are VMM ranges on every device: the memory invariant holds after every step (the
+    arenas' physical bytes are what the cache counts), the exported caches are the arenas'
+    memory on every device, greedy tokens equal the one-device engine's (the prefix cache on,
+    blocks shared by two requests with a common prefix), and closing returns every byte."""
+    prefix = [int(t) for t in rng.integers(3, 500, 300)]
+    prompts = [[int(t) for t in rng.integers(3, 500, n)] for n in (5, 70, 1, 33, 130)]
+    prompts += [prefix + [7, 8], prefix + [9]]
+
+    def serve(mesh, arena):
+        eng = Engine(model, max_slots=3, max_len=512, prefill_chunk_tokens=64, arena=arena,
+                     mesh=mesh)  # fmt: skip
+        reqs = [eng.submit(p, 20, stop_token_ids=[]) for p in prompts]
+        while eng.has_work():
+            eng.step()
+            eng.check_memory()
+        regions = eng.cache.regions
+        if mesh is not None:
+            assert all(r.holds(a) for r, a in zip(regions, eng.cache.k, strict=False))
+        hits = eng.prefix.stats.hit_tokens
+        eng.close()
+        return [r.result().tokens for r in reqs], hits
+
+    one = host_arena(reserve_bytes=64 << 20, granule=G)
+    want, _ = serve(None, one)
+    one.close()
+    arena = mesh_arena(tp)
+    got, hits = serve(tp_mesh(tp), arena)
+    assert got == want
+    assert hits > 0  # the common prefix was mapped, not recomputed
+    assert arena.committed_bytes == 0
+    arena.close()
