@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_kv.cache.capacity import CapacityError
@@ -192,7 +193,7 @@ class SlotCache:
             arrays = [
                 self.arena.zeros(self.shape, self.dtype, sharding) for _ in range(self.bindings)
             ]
-            self.committed = jnp.zeros((self.num_slots,), jnp.int32)
+            self._write_committed()
         self.k, self.v = arrays[: self.num_layers], arrays[self.num_layers :]
 
     def close(self) -> None:
@@ -461,6 +462,8 @@ class SlotCache:
         values = np.ascontiguousarray(self.committed_tokens(), np.int32)
         if self._control is not None:
             self._write_control(values)
+        elif self.mesh is not None:  # replicated: every process passes the same values
+            self.committed = jax.device_put(values, NamedSharding(self.mesh, P()))
         else:
             self.committed = jnp.asarray(values)
 

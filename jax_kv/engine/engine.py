@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_kv.cache import SlotCache, bucket_for
 from jax_kv.cache.kv_cache import default_arena
@@ -127,6 +128,12 @@ class _Seq:
     def token_at(self, i: int) -> int:
         n = len(self.prompt)
         return self.prompt[i] if i < n else self.generated[i - n]
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    """A replicated step output on the host: this process's copy (under a multi-process mesh
+    the array is not fully addressable)."""
+    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
 def _row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
@@ -268,6 +275,7 @@ class Engine:
     def _prefill_fn(self) -> Any:
         model = self.model
         attention = {"attention": self._attention["prefill"]} if self._attention else {}
+        replicated = self._replicated
 
         def run(params, tokens, cu_seqlens, caches, lengths, committed, temp, top_k, top_p,
                 seeds):  # fmt: skip
@@ -278,13 +286,15 @@ class Engine:
             )  # fmt: skip
             positions = lengths + (cu_seqlens[1:] - cu_seqlens[:-1])
             keys = _row_keys(seeds, positions)
-            return sample_rows(logits, keys, temp, top_k, top_p), caches, status
+            sampled = sample_rows(logits, keys, temp, top_k, top_p)
+            return replicated(sampled), caches, replicated(status)
 
         return run
 
     def _decode_fn(self) -> Any:
         model = self.model
         attention = {"attention": self._attention["decode"]} if self._attention else {}
+        replicated = self._replicated
 
         def run(params, tokens, caches, lengths, committed, temp, top_k, top_p, seeds):
             self._traces["decode"] += 1
@@ -293,9 +303,17 @@ class Engine:
                 **attention,
             )  # fmt: skip
             keys = _row_keys(seeds, lengths + 1)
-            return sample_rows(logits, keys, temp, top_k, top_p), caches, status
+            sampled = sample_rows(logits, keys, temp, top_k, top_p)
+            return replicated(sampled), caches, replicated(status)
 
         return run
+
+    def _replicated(self, x: jax.Array) -> jax.Array:
+        """Under a mesh, a step's per-row output (sampled tokens, status) whole on every
+        device: each process reads its own copy."""
+        if self.mesh is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec()))
 
     # -- submit -------------------------------------------------------------------------
 
@@ -640,7 +658,7 @@ class Engine:
         if N not in self.stats.prefill_buckets:
             self.stats.prefill_buckets.append(N)
         sampled, status, device = self._call(
-            "prefill", jnp.asarray(tokens), jnp.asarray(cu), self._caches(), jnp.asarray(lengths),
+            "prefill", tokens, cu, self._caches(), lengths,
             self.cache.committed,
         )  # fmt: skip
         self.stats.prefill_calls += 1
@@ -681,7 +699,7 @@ class Engine:
             tokens[seq.slot] = seq.generated[-1]
         committed = self._decode_committed(rows)
         sampled, status, device = self._call(
-            "decode", jnp.asarray(tokens), self._caches(), jnp.asarray(self._lengths()), committed
+            "decode", tokens, self._caches(), self._lengths(), committed
         )
         self.stats.decode_calls += 1
         for seq in rows:
@@ -707,7 +725,7 @@ class Engine:
         out, caches, status = step(self.params, *args, *self._sampling_args())
         compiled = self._traces[kind] - traces
         self._accept(caches, verify=bool(compiled))
-        sampled, status = np.asarray(out), np.asarray(status)
+        sampled, status = _host(out), _host(status)
         seconds = time.perf_counter() - t0
         if kind == "prefill":
             self.stats.prefill_compiles += compiled
@@ -724,7 +742,11 @@ class Engine:
             return self.cache.committed
         values = self.cache.committed_tokens()
         values[held] = 0
-        return jnp.asarray(values)
+        # The same kind of array as the cache's own bound (a sharding is part of the compile
+        # key): one compiled decode step for both.
+        if self.mesh is None:
+            return jnp.asarray(values)
+        return jax.device_put(values, NamedSharding(self.mesh, PartitionSpec()))
 
     def _lengths(self) -> np.ndarray:
         return np.array([0 if s is None else s.cached for s in self._slots], np.int32)
@@ -741,9 +763,12 @@ class Engine:
     def _sampling_args(self) -> tuple[jax.Array, ...]:
         # Uploaded again only after an admission changed a row: not four transfers per step.
         if self._sampling_device is None:
-            self._sampling_device = tuple(
-                jnp.asarray(a) for a in (self._temperature, self._top_k, self._top_p, self._seeds)
-            )
+            arrays = (self._temperature, self._top_k, self._top_p, self._seeds)
+            if self.mesh is None:
+                self._sampling_device = tuple(jnp.asarray(a) for a in arrays)
+            else:  # replicated over the mesh (every process passes the same values)
+                every = NamedSharding(self.mesh, PartitionSpec())
+                self._sampling_device = tuple(jax.device_put(a, every) for a in arrays)
         return self._sampling_device
 
     # -- tokens and endings -------------------------------------------------------------

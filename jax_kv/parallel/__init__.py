@@ -84,7 +84,15 @@ def shard_params(model: Any, mesh: Mesh) -> Any:
     shardings = jax.tree.map(
         lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
     )
-    return jax.device_put(model.params, shardings)
+    return jax.tree.map(_put, model.params, shardings)
+
+
+def _put(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """x laid out as `sharding`. Under a multi-process mesh (devices of other processes in it)
+    each process gives its own devices' shards, cut from its full copy of x."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def head_sharded(op: Callable[..., tuple], mesh: Mesh) -> Callable[..., tuple]:

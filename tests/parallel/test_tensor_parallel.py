@@ -275,6 +275,7 @@ def test_engine_on_per_device_vmm_arenas_equals_tp_1(model, rng, tp):
         while eng.has_work():
             eng.step()
             eng.check_memory()
+        assert eng.stats.decode_compiles == 1
         regions = eng.cache.regions
         if mesh is not None:
             assert all(r.holds(a) for r, a in zip(regions, eng.cache.k, strict=False))
