@@ -189,3 +189,32 @@ def test_prefix_cache_on_cuda_shares_granules_and_keeps_tokens(model, rng):
     assert on == off
     assert prefix_stats.hit_tokens >= 3 * 1024 and prefix_stats.partial_hits == 1
     assert cow == 2 * model.config.num_layers
+
+
+def test_engine_under_a_one_device_mesh_equals_no_mesh(model, rng):
+    """issue 28's code path on the one GPU lent: a tp=1 mesh, the ops under shard_map, the
+    params laid out by partition_specs, the cache on a MeshArena of one CUDA VmmArena; greedy
+    tokens equal the engine without a mesh, the step compiled once, every byte returned."""
+    from jax_kv.memory import MeshArena, VmmArena
+    from jax_kv.parallel import tp_mesh
+
+    ps = prompts(rng, model, [900, 30, 1500])
+
+    def serve(mesh, arena):
+        eng = Engine(model, max_slots=2, max_len=MAX_LEN, arena=arena, mesh=mesh)
+        reqs = [eng.submit(p, 40, stop_token_ids=[]) for p in ps]
+        while eng.has_work():
+            eng.step()
+            eng.check_memory()
+        assert eng.stats.decode_compiles == 1
+        eng.close()
+        return [r.result().tokens for r in reqs]
+
+    plain = VmmArena(pool_bytes=0)
+    want = serve(None, plain)
+    plain.close()
+    mesh = tp_mesh(1)
+    arena = MeshArena(mesh, pool_bytes=0)
+    assert serve(mesh, arena) == want
+    assert arena.committed_bytes == 0
+    arena.close()
