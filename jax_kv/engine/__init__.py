@@ -2,6 +2,7 @@
 the compiled decode step never changes (DESIGN.md, Serving)."""
 
 from jax_kv.engine.engine import Engine, EngineError, EngineStats, QueueFull, StepRecord
+from jax_kv.engine.lockstep import Lockstep
 from jax_kv.engine.request import (
     FINISH_CANCELLED,
     FINISH_ERROR,
@@ -24,6 +25,7 @@ __all__ = [
     "Engine",
     "EngineError",
     "EngineStats",
+    "Lockstep",
     "QueueFull",
     "Request",
     "RequestError",

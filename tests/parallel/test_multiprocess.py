@@ -1,8 +1,9 @@
 """The tensor-parallel engine past one process (issue 28, item 4): 2 processes on localhost,
 2 host devices each, one global mesh of tp=4 over both on JAX's own runtime (jax.distributed
-with a local coordinator, gloo collectives). Each process drives the same engine steps; the
-tokens each reads from its own copy of the replicated outputs equal the prompts generated alone
-by Generator on one device."""
+with a local coordinator, gloo collectives). The leader takes the requests (and a cancel) and
+broadcasts them each step (Lockstep); the follower only steps. Both run the same number of
+steps and read the same tokens and finish reasons, which equal the prompts generated alone by
+Generator on one device."""
 
 import dataclasses
 import json
@@ -51,12 +52,18 @@ def test_tp_4_over_two_processes_gives_the_one_device_tokens(tmp_path):
     assert [(r["process"], r["devices"], r["local_devices"]) for r in results] == [
         (0, 4, 2), (1, 4, 2)
     ]  # fmt: skip
-    config = dataclasses.replace(
-        jm.PRESETS["tiny-llama"], num_q_heads=8, num_kv_heads=4, hidden_size=128
-    )
-    model = jm.random_model(config, seed=1)
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        from multiprocess_engine import CONFIG, NEW_TOKENS, prompts
+    finally:
+        sys.path.pop(0)
+    model = jm.random_model(dataclasses.replace(jm.PRESETS["tiny-llama"], **CONFIG), seed=1)
     alone = Generator(model, arena=EagerArena(), max_len=256)
-    prompts = results[0]["prompts"]
-    want = [alone.generate([p], 12, stop_tokens=[]).tokens[0] for p in prompts]
-    assert results[0]["tokens"] == want
-    assert results[1]["tokens"] == want
+    want = [alone.generate([p], NEW_TOKENS, stop_tokens=[]).tokens[0] for p in prompts()]
+    leader, follower = results
+    assert leader["steps"] == follower["steps"]  # one schedule
+    assert leader["finish"] == follower["finish"] == ["length", "length", "cancelled", "length"]
+    assert leader["tokens"] == follower["tokens"]
+    for i in (0, 1, 3):
+        assert leader["tokens"][i] == want[i], i
+    assert leader["tokens"][2] == want[2][: len(leader["tokens"][2])]  # cut short, not wrong
