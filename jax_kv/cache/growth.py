@@ -24,8 +24,10 @@ import numpy as np
 from jax_kv.cache.capacity import CapacityPlan, bucket_for, resolve_capacity
 from jax_kv.cache.events import GrowthEvent, GrowthReason
 from jax_kv.layout import Layout
-from jax_kv.memory import ArenaError, ArenaExhausted, CommitReport, Region, VmmArena
+from jax_kv.memory import ArenaError, ArenaExhausted, CommitReport, MeshArena, Region, VmmArena
+from jax_kv.memory.mesh import REPLICATED, allocate
 from jax_kv.ops import grow_cache
+from jax_kv.parallel import cache_sharding, cache_spec
 
 if TYPE_CHECKING:
     from jax_kv.cache.kv_cache import KvCache
@@ -100,9 +102,10 @@ class EagerGrowth(GrowthStrategy):
     def start(self, cache: KvCache, n: int) -> None:
         cap = bucket_for(n, cache.min_bucket, cache.max_len)
         shape = cache.layout.cache_shape(cache.batch, cap, cache.num_kv_heads, cache.head_dim)
+        sharding = None if cache.mesh is None else cache_sharding(cache.mesh, cache.layout)
         for _ in range(cache.num_layers):
-            cache.k.append(cache.arena.zeros(shape, cache.dtype))
-            cache.v.append(cache.arena.zeros(shape, cache.dtype))
+            cache.k.append(cache.arena.zeros(shape, cache.dtype, sharding))
+            cache.v.append(cache.arena.zeros(shape, cache.dtype, sharding))
         cache.capacity = cap
 
     def grow(self, cache: KvCache, n: int) -> GrowthEvent:
@@ -117,7 +120,7 @@ class EagerGrowth(GrowthStrategy):
         grown: list[jax.Array] = []
         try:
             for a in (*cache.k, *cache.v):
-                g = grow_cache(a, lengths, new, layout=cache.layout)
+                g = _grow(cache, a, lengths, new)
                 arena.track(g)
                 grown.append(g)
             for g in grown:
@@ -149,6 +152,19 @@ class EagerGrowth(GrowthStrategy):
     def close(self, cache: KvCache, arrays: list[jax.Array]) -> None:
         for a in arrays:
             cache.arena.release(a)
+
+
+def _grow(cache: KvCache, a: jax.Array, lengths: jax.Array, new: int) -> jax.Array:
+    """grow_cache, per device under a mesh (each shard copies its own KV heads' live
+    prefix)."""
+    if cache.mesh is None:
+        return grow_cache(a, lengths, new, layout=cache.layout)
+    spec = cache_spec(cache.layout)
+    per_shard = jax.shard_map(
+        lambda a, n: grow_cache(a, n, new, layout=cache.layout),
+        mesh=cache.mesh, in_specs=(spec, REPLICATED), out_specs=spec, check_vma=False,
+    )  # fmt: skip
+    return per_shard(a, lengths)
 
 
 class _VmmGrowth(GrowthStrategy):
@@ -197,9 +213,10 @@ class _VmmGrowth(GrowthStrategy):
     def _allocate(self, cache: KvCache) -> None:
         arena, batch = cache.arena, cache.batch
         slot_bytes = self._slot_tokens(cache) * cache.token_bytes
+        spec = cache_spec(cache.layout)
         for _ in range(2 * cache.num_layers):
-            self.regions.append(arena.allocate(batch * slot_bytes))
-        self.control = arena.allocate(batch * 4)
+            self.regions.append(allocate(arena, batch * slot_bytes, spec))
+        self.control = allocate(arena, batch * 4, REPLICATED)  # every device's bound
         self.control.commit(batch * 4)
         # A view the host rewrites in place at growth: its address (which the recorded CUDA
         # graph holds) never changes, so a kept step is replayed.
@@ -224,13 +241,12 @@ class _VmmGrowth(GrowthStrategy):
         """A moved pointer means the cache was not donated (or XLA copied it) and the arena no
         longer backs it."""
         for i, (a, r) in enumerate(zip(arrays, self.regions, strict=True)):
-            ptr = a.unsafe_buffer_pointer()
-            if ptr != r.ptr:
+            if not r.holds(a):
                 # A step that failed on the device hands back arrays that carry its error, at
                 # other addresses: that error is the cause the caller must see, raised here.
                 a.block_until_ready()
                 raise ArenaError(
-                    f"accept: output cache {i} moved from {r.ptr:#x} to {ptr:#x}: donate "
+                    f"accept: output cache {i} is not the arena's memory (it moved): donate "
                     f"the cache arrays to the step so XLA updates them in place"
                 )
 
@@ -399,10 +415,15 @@ def _runs_of_equal_length(lengths: np.ndarray) -> list[tuple[int, int, int]]:
 
 def growth_for(arena: object, layout: Layout) -> GrowthStrategy:
     """The strategy for a cache on `arena` with `layout`, chosen once at construction."""
-    if not isinstance(arena, VmmArena):
+    if not isinstance(arena, VmmArena | MeshArena):
         return EagerGrowth()
     if layout == Layout.SEQ_MAJOR:
         return SeqMajorVmmGrowth()
+    if isinstance(arena, MeshArena):
+        raise ValueError(
+            "layout: a head-major cache on a MeshArena is not built (its growth re-strides "
+            "through one device's scratch); use SEQ_MAJOR under a mesh, or an EagerArena"
+        )
     return HeadMajorVmmGrowth()
 
 

@@ -17,6 +17,7 @@ from jax_kv.cache.growth import GrowthStrategy, growth_for
 from jax_kv.config import runtime_config
 from jax_kv.layout import Layout
 from jax_kv.memory import EagerArena, MeshArena, VmmArena
+from jax_kv.parallel import check_tp, mesh_size
 
 
 def _module_exists(name: str) -> bool:
@@ -53,6 +54,10 @@ class KvCache:
         min_bucket: capacity floor and bucket base (JAX_KV_MIN_BUCKET, 256).
         commit_ahead: seq-major VMM commit step in tokens (JAX_KV_COMMIT_AHEAD, min_bucket).
         initial_tokens: capacity to have ready at construction (at least 1).
+        mesh: a jax.sharding.Mesh with a "tp" axis (jax_kv.parallel): the Hkv axis of every
+            array is split over it. On VMM the arena is a MeshArena (default MeshArena(mesh);
+            seq-major only): growth commits on every device or on none, and a kept step is
+            kept on every device. Byte counts are totals over the devices.
 
     Use: `event = cache.ensure_capacity(L + 1)` before a step (outside jit); run the step
     with `cache.k, cache.v` donated; `cache.accept(k, v)` with the step's outputs;
@@ -77,6 +82,7 @@ class KvCache:
         min_bucket: int | None = None,
         commit_ahead: int | None = None,
         initial_tokens: int = 0,
+        mesh: Any = None,
     ) -> None:
         config = runtime_config()
         self.layout = Layout.parse(layout)
@@ -98,7 +104,15 @@ class KvCache:
         if self.commit_step < 1:
             raise ValueError(f"commit_ahead: expected >= 1 token, got {commit_ahead}")
         self.closed = False
-        self.arena = default_arena() if arena is None else arena
+        self.mesh = mesh
+        if mesh is not None:
+            check_tp(self.num_kv_heads, self.num_kv_heads, mesh_size(mesh))
+        self.arena = default_arena(mesh) if arena is None else arena
+        if mesh is not None and isinstance(self.arena, VmmArena):
+            raise ValueError(
+                "arena: a VmmArena holds one device's memory; under a mesh pass a "
+                "jax_kv.memory.MeshArena(mesh) (one VmmArena per device) or an EagerArena"
+            )
         self.growth: GrowthStrategy = growth_for(self.arena, self.layout)
         self.lengths = np.zeros((self.batch,), np.int32)
         self.token_bytes = self.num_kv_heads * self.head_dim * self.dtype.itemsize
@@ -176,11 +190,14 @@ class KvCache:
         if control is None:
             self.committed = jnp.asarray(values)
         else:  # no step is in flight during growth: the write cannot race a kernel's read
-            self.arena.write(control.ptr, values.tobytes())
+            control.write(0, values.tobytes())  # on every device under a mesh
 
     def pointers(self) -> list[int]:
         self._check_open("pointers")
-        return [a.unsafe_buffer_pointer() for a in (*self.k, *self.v)]
+        # Per shard: one per array on one device, one per device under a mesh.
+        return [
+            s.data.unsafe_buffer_pointer() for a in (*self.k, *self.v) for s in a.addressable_shards
+        ]
 
     def stats(self) -> dict[str, Any]:
         return dict(

@@ -39,6 +39,7 @@ from jax_kv.cache.capacity import CapacityError
 from jax_kv.cache.kv_cache import default_arena
 from jax_kv.layout import Layout
 from jax_kv.memory import ArenaError, ArenaExhausted, MeshArena, Region, VmmArena
+from jax_kv.memory.mesh import REPLICATED, allocate
 from jax_kv.parallel import cache_sharding, cache_spec, check_tp, mesh_size
 
 DEFAULT_GRANULE_BYTES = 2 << 20  # the eager path's accounting block: the H200's VMM granule
@@ -470,20 +471,10 @@ class SlotCache:
     def _allocate(self, nbytes: int, replicated: bool = False) -> Any:
         """A region of the arena; under a mesh laid out as the cache arrays (Hkv split) or,
         for the per-row control values, replicated on every device."""
-        if self.mesh is None:
-            return self.arena.allocate(nbytes)
-        return self.arena.allocate(nbytes, P() if replicated else cache_spec(self.layout))
+        return allocate(self.arena, nbytes, REPLICATED if replicated else cache_spec(self.layout))
 
     def _write_control(self, values: np.ndarray) -> None:
-        if self.mesh is None:
-            self.arena.write(self._control.ptr, values.tobytes())
-        else:
-            self._control.write(0, values.tobytes())
-
-    def _holds(self, region: Any, array: jax.Array) -> bool:
-        if self.mesh is None:
-            return array.unsafe_buffer_pointer() == region.ptr
-        return region.holds(array)
+        self._control.write(0, values.tobytes())  # on every device under a mesh
 
     # -- the step protocol ---------------------------------------------------------------------
 
@@ -505,7 +496,7 @@ class SlotCache:
                         f"accept: array {i} expected {self.dtype.name} {list(self.shape)}, got "
                         f"{a.dtype} {list(a.shape)}"
                     )
-                if self.is_vmm and not self._holds(self.regions[i], a):
+                if self.is_vmm and not self.regions[i].holds(a):
                     a.block_until_ready()  # a failed step's error is the cause: raised here
                     raise ArenaError(
                         f"accept: output cache {i} is not the arena's memory (it moved): "

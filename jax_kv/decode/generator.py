@@ -25,6 +25,8 @@ from jax_kv.config import runtime_config
 from jax_kv.decode.protocol import DecoderModel
 from jax_kv.decode.sampling import GREEDY, Sampling, sample
 from jax_kv.layout import Layout
+from jax_kv.ops import gqa_decode, gqa_prefill_packed
+from jax_kv.parallel import check_tp, head_sharded, mesh_size, shard_params
 
 PREFILL_MIN_TOKENS = 16  # a prefill call's tokens are padded to powers of two from here
 # The most real tokens one prefill call computes: its temporaries do not depend on the prompts.
@@ -226,6 +228,10 @@ class Generator:
             fewer and larger kernels). The fused weights are the Generator's own copy: the
             caller's params are never modified or deleted (an unfused model therefore holds
             both forms; `Model.fuse_projections()` first, or a loader's fused params, avoid it).
+            Default on, off under a mesh.
+        mesh: a jax.sharding.Mesh with a "tp" axis (jax_kv.parallel.tp_mesh): tensor
+            parallelism over KV heads, as in Engine (params sharded Megatron-style, the ops
+            per shard, the KvCache's Hkv split; on VMM a seq-major cache on a MeshArena).
 
     Every step runs with the ops' status path on: its writes are bounded by the cache's
     committed capacity (a per-step device value, so a kept step stays kept), and a refused
@@ -241,8 +247,9 @@ class Generator:
         min_bucket: int | None = None,
         arena: Any = None,
         tokens_per_call: int = 1,
-        fuse_projections: bool = True,
+        fuse_projections: bool | None = None,
         prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
+        mesh: Any = None,
     ) -> None:
         self.tokens_per_call = _check_int("tokens_per_call", tokens_per_call, 1)
         self.prefill_chunk_tokens = _check_int(
@@ -260,8 +267,25 @@ class Generator:
                 f"{type(model).__name__}"
             )
         self.model = model
-        # The Generator's own pytree: the caller's arrays are shared, never deleted.
-        self.params = model.fused_params() if fuse_projections else model.params
+        self.mesh = mesh
+        self._attention: dict[str, Any] = {}
+        if mesh is None:
+            # The Generator's own pytree: the caller's arrays are shared, never deleted.
+            fuse = True if fuse_projections is None else bool(fuse_projections)
+            self.params = model.fused_params() if fuse else model.params
+        else:
+            if fuse_projections:
+                raise ValueError(
+                    "fuse_projections: tensor parallelism shards the unfused q/k/v and gate/up "
+                    "weights; leave it None or False with a mesh"
+                )
+            config = model.config
+            check_tp(config.num_q_heads, config.num_kv_heads, mesh_size(mesh))
+            self.params = shard_params(model, mesh)
+            self._attention = dict(
+                prefill={"attention": head_sharded(gqa_prefill_packed, mesh)},
+                decode={"attention": head_sharded(gqa_decode, mesh)},
+            )
         self.layout = Layout.parse(layout)
         self.max_len = max_len
         self.arena = arena
@@ -283,8 +307,9 @@ class Generator:
                 rng):  # fmt: skip
             committed = committed if self._bound_writes else None
             logits, caches, *latched = model.prefill_packed(
-                params, tokens, cu_seqlens, caches, lengths, layout=layout, committed=committed
-            )
+                params, tokens, cu_seqlens, caches, lengths, layout=layout, committed=committed,
+                **self._attention.get("prefill", {}),
+            )  # fmt: skip
             rng, sub = jax.random.split(rng)
             next_tok = jnp.where(ends, sample(logits, sub, sampling), next_tok)
             if latched:
@@ -325,8 +350,9 @@ class Generator:
         def one(params, tokens, caches, lengths, committed, last, rng):
             committed = committed if self._bound_writes else None
             logits, caches, *status = model.decode_step(
-                params, tokens, caches, lengths, layout=layout, committed=committed
-            )
+                params, tokens, caches, lengths, layout=layout, committed=committed,
+                **self._attention.get("decode", {}),
+            )  # fmt: skip
             rng, sub = jax.random.split(rng)
             tokens = sample(logits, sub, sampling)
             # A row at its last position (max_new_tokens or max_len reached) stays there: its
@@ -425,6 +451,7 @@ class Generator:
             model_max_len=config.max_position_embeddings,
             min_bucket=self.min_bucket,
             initial_tokens=initial_tokens,
+            mesh=self.mesh,
         )
 
     def generate(

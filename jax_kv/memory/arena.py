@@ -257,6 +257,14 @@ class Region:
         """A jax.Array viewing [offset, offset + nbytes) of this region, zero-copy."""
         return self.arena._export(self, tuple(int(s) for s in shape), dtype, offset)
 
+    def write(self, offset: int, data: bytes) -> None:
+        """Writes host bytes at `offset` (committed memory; no step may be in flight)."""
+        self.arena.write(self.ptr + offset, data)
+
+    def holds(self, array: jax.Array) -> bool:
+        """Whether `array` is this region's memory (not a copy XLA made)."""
+        return array.unsafe_buffer_pointer() == self.ptr
+
     def free(self) -> None:
         self.arena._free(self)
 

@@ -48,6 +48,10 @@ class MeshRegion:
             raise ArenaError(f"offset {offset}: not a multiple of the {self.scale} devices")
         return offset // self.scale
 
+    @property
+    def committed_bytes(self) -> int:
+        return sum(part.committed_bytes for part in self.parts)
+
     def commit(self, nbytes: int) -> CommitReport:
         return self.arena.commit([(self, 0, nbytes)])
 
@@ -223,9 +227,25 @@ class MeshArena:
             a.physical_bytes([r.parts[i] for r in regions]) for i, a in enumerate(self.arenas)
         )
 
+    @property
+    def free_va_bytes(self) -> int:
+        """Address space a split region can still take (the least of any device, n times)."""
+        return min(a.free_va_bytes for a in self.arenas) * self.devices
+
+    def refill_pool(self) -> int:
+        return sum(a.refill_pool() for a in self.arenas)
+
     def available_bytes(self) -> int:
         """What a split region can still commit: the least any device can, n times."""
         return min(a.available_bytes() for a in self.arenas) * self.devices
+
+
+def allocate(arena: Any, nbytes: int, spec: P) -> Any:
+    """A region of `arena` whose exports are laid out as `spec` on a MeshArena (P() for
+    per-row values every device holds); a plain Region of a one-device arena."""
+    if isinstance(arena, MeshArena):
+        return arena.allocate(nbytes, spec)
+    return arena.allocate(nbytes)
 
 
 def _sum_reports(reports: list[CommitReport]) -> CommitReport:
@@ -245,4 +265,4 @@ def _default_arena(device: Any, **kwargs: Any) -> VmmArena:
     return VmmArena(device, **kwargs)
 
 
-__all__ = ["MeshArena", "MeshRegion"]
+__all__ = ["REPLICATED", "MeshArena", "MeshRegion", "allocate"]

@@ -218,3 +218,26 @@ def test_engine_under_a_one_device_mesh_equals_no_mesh(model, rng):
     assert serve(mesh, arena) == want
     assert arena.committed_bytes == 0
     arena.close()
+
+
+def test_generator_under_a_one_device_mesh_keeps_its_step_and_tokens(model, rng):
+    """The Generator's KvCache on a MeshArena of one CUDA VmmArena (seq-major): the same
+    tokens as without a mesh, one decode capture kept across every growth (the stepping path
+    the host driver cannot run: XLA:CPU copies donated DLPack buffers)."""
+    from jax_kv.memory import MeshArena, VmmArena
+    from jax_kv.parallel import tp_mesh
+
+    ps = prompts(rng, model, [900, 30])
+    plain = VmmArena(pool_bytes=0)
+    want = Generator(model, arena=plain, max_len=MAX_LEN).generate(ps, 300, stop_tokens=[])
+    mesh = tp_mesh(1)
+    arena = MeshArena(mesh, pool_bytes=0)
+    got = Generator(model, arena=arena, max_len=MAX_LEN, mesh=mesh).generate(
+        ps, 300, stop_tokens=[]
+    )
+    assert got.tokens == want.tokens
+    assert got.stats.captures == 1 and got.stats.growth_events >= 1
+    assert got.stats.invalidations == 0
+    assert arena.committed_bytes == 0
+    arena.close()
+    plain.close()

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_kv.models as jm
+from jax_kv.cache import KvCache
 from jax_kv.decode import Generator
 from jax_kv.engine import Engine
 from jax_kv.layout import Layout
@@ -290,5 +291,43 @@ def test_engine_on_per_device_vmm_arenas_equals_tp_1(model, rng, tp):
     got, hits = serve(tp_mesh(tp), arena)
     assert got == want
     assert hits > 0  # the common prefix was mapped, not recomputed
+    assert arena.committed_bytes == 0
+    arena.close()
+
+
+# -- the Generator and its KvCache under a mesh ---------------------------------------------
+
+
+def test_generator_at_tp_2_and_4_equals_tp_1(model, rng):
+    prompts = [[int(t) for t in rng.integers(3, 500, n)] for n in (5, 70, 33)]
+    want = Generator(model, arena=EagerArena(), min_bucket=16).generate(prompts, 40, stop_tokens=[])
+    for tp in (2, 4):
+        gen = Generator(model, arena=EagerArena(), min_bucket=16, mesh=tp_mesh(tp))
+        got = gen.generate(prompts, 40, stop_tokens=[])  # grows from 16 through 128 tokens
+        assert got.tokens == want.tokens, f"tp={tp}"
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_kv_cache_on_a_mesh_arena_grows_on_every_device_and_keeps_the_step(tp):
+    """Seq-major on per-device arenas: every growth commits on each device (the same bytes
+    on each, their sum what the cache counts), moves 0 bytes, keeps every shard's pointer
+    (so the compiled step is kept on every device), and close returns every byte."""
+    mesh = tp_mesh(tp)
+    arena = mesh_arena(tp)
+    cache = KvCache(num_layers=2, batch=3, num_kv_heads=HKV, head_dim=D, dtype=jnp.float32,
+                    arena=arena, max_len=4096, min_bucket=64, mesh=mesh)  # fmt: skip
+    assert cache.k[0].sharding.is_equivalent_to(cache_sharding(mesh, Layout.SEQ_MAJOR), 4)
+    before = cache.pointers()
+    assert len(before) == 2 * 2 * tp  # one per array and device
+    events = [cache.ensure_capacity(n) for n in (100, 700, 2000)]
+    assert all(e.keeps_compiled_step and e.bytes_moved == 0 for e in events)
+    assert cache.pointers() == before
+    per_device = [a.committed_bytes for a in arena.arenas]
+    assert len(set(per_device)) == 1 and sum(per_device) == cache.committed_bytes + tp * G
+    cache.close()  # (+ each device's committed control granule, freed with the cache)
+    assert arena.committed_bytes == 0
+    with pytest.raises(ValueError, match=r"layout: a head-major cache on a MeshArena"):
+        KvCache(num_layers=1, batch=1, num_kv_heads=HKV, head_dim=D, arena=arena,
+                layout=Layout.HEAD_MAJOR, max_len=256, mesh=mesh)  # fmt: skip
     assert arena.committed_bytes == 0
     arena.close()
