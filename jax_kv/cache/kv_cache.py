@@ -41,6 +41,22 @@ def default_arena(mesh: Any = None) -> Any:
     return EagerArena()
 
 
+def arena_for(arena: Any, mesh: Any, num_kv_heads: int) -> Any:
+    """The arena a cache of `num_kv_heads` uses: `arena`, or the default for `mesh`; under a
+    mesh, refuses a split the heads do not allow and a one-device VmmArena."""
+    if mesh is not None:
+        check_tp(num_kv_heads, num_kv_heads, mesh_size(mesh))
+    arena = default_arena(mesh) if arena is None else arena
+    if mesh is not None and isinstance(arena, VmmArena):
+        raise ValueError(
+            "arena: a VmmArena holds one device's memory; under a mesh pass a "
+            "jax_kv.memory.MeshArena(mesh) (one VmmArena per device) or an EagerArena"
+        )
+    if isinstance(arena, MeshArena) and arena.mesh != mesh:
+        raise ValueError("arena: the MeshArena's mesh is not the cache's `mesh`")
+    return arena
+
+
 class KvCache:
     """Per-layer K and V caches [B, Hkv, S, D] (HEAD_MAJOR) or [B, S, Hkv, D] (SEQ_MAJOR).
 
@@ -105,14 +121,7 @@ class KvCache:
             raise ValueError(f"commit_ahead: expected >= 1 token, got {commit_ahead}")
         self.closed = False
         self.mesh = mesh
-        if mesh is not None:
-            check_tp(self.num_kv_heads, self.num_kv_heads, mesh_size(mesh))
-        self.arena = default_arena(mesh) if arena is None else arena
-        if mesh is not None and isinstance(self.arena, VmmArena):
-            raise ValueError(
-                "arena: a VmmArena holds one device's memory; under a mesh pass a "
-                "jax_kv.memory.MeshArena(mesh) (one VmmArena per device) or an EagerArena"
-            )
+        self.arena = arena_for(arena, mesh, self.num_kv_heads)
         self.growth: GrowthStrategy = growth_for(self.arena, self.layout)
         self.lengths = np.zeros((self.batch,), np.int32)
         self.token_bytes = self.num_kv_heads * self.head_dim * self.dtype.itemsize

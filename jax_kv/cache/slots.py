@@ -36,11 +36,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_kv.cache.capacity import CapacityError
-from jax_kv.cache.kv_cache import default_arena
+from jax_kv.cache.kv_cache import arena_for
 from jax_kv.layout import Layout
 from jax_kv.memory import ArenaError, ArenaExhausted, MeshArena, Region, VmmArena
 from jax_kv.memory.mesh import REPLICATED, allocate
-from jax_kv.parallel import cache_sharding, cache_spec, check_tp, mesh_size
+from jax_kv.parallel import cache_sharding, cache_spec
 
 DEFAULT_GRANULE_BYTES = 2 << 20  # the eager path's accounting block: the H200's VMM granule
 
@@ -99,17 +99,8 @@ class SlotCache:
         self.max_len = int(max_len)
         self.token_bytes = self.num_kv_heads * self.head_dim * self.dtype.itemsize
         self.mesh = mesh
-        if mesh is not None:
-            check_tp(self.num_kv_heads, self.num_kv_heads, mesh_size(mesh))
-        self.arena = default_arena(mesh) if arena is None else arena
+        self.arena = arena_for(arena, mesh, self.num_kv_heads)
         self.is_vmm = isinstance(self.arena, VmmArena | MeshArena)
-        if mesh is not None and isinstance(self.arena, VmmArena):
-            raise ValueError(
-                "arena: a VmmArena holds one device's memory; under a mesh pass a "
-                "jax_kv.memory.MeshArena(mesh) (one VmmArena per device) or an EagerArena"
-            )
-        if isinstance(self.arena, MeshArena) and self.arena.mesh != mesh:
-            raise ValueError("arena: the MeshArena's mesh is not the cache's `mesh`")
         if self.is_vmm:
             self.granule = int(self.arena.granule)
             # A slot spans whole granules and whole tokens (S * token_bytes a multiple of

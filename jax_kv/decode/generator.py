@@ -25,8 +25,7 @@ from jax_kv.config import runtime_config
 from jax_kv.decode.protocol import DecoderModel
 from jax_kv.decode.sampling import GREEDY, Sampling, sample
 from jax_kv.layout import Layout
-from jax_kv.ops import gqa_decode, gqa_prefill_packed
-from jax_kv.parallel import check_tp, head_sharded, mesh_size, shard_params
+from jax_kv.parallel import params_and_attention
 
 PREFILL_MIN_TOKENS = 16  # a prefill call's tokens are padded to powers of two from here
 # The most real tokens one prefill call computes: its temporaries do not depend on the prompts.
@@ -268,24 +267,8 @@ class Generator:
             )
         self.model = model
         self.mesh = mesh
-        self._attention: dict[str, Any] = {}
-        if mesh is None:
-            # The Generator's own pytree: the caller's arrays are shared, never deleted.
-            fuse = True if fuse_projections is None else bool(fuse_projections)
-            self.params = model.fused_params() if fuse else model.params
-        else:
-            if fuse_projections:
-                raise ValueError(
-                    "fuse_projections: tensor parallelism shards the unfused q/k/v and gate/up "
-                    "weights; leave it None or False with a mesh"
-                )
-            config = model.config
-            check_tp(config.num_q_heads, config.num_kv_heads, mesh_size(mesh))
-            self.params = shard_params(model, mesh)
-            self._attention = dict(
-                prefill={"attention": head_sharded(gqa_prefill_packed, mesh)},
-                decode={"attention": head_sharded(gqa_decode, mesh)},
-            )
+        # The Generator's own pytree: the caller's arrays are shared, never deleted.
+        self.params, self._attention = params_and_attention(model, mesh, fuse_projections)
         self.layout = Layout.parse(layout)
         self.max_len = max_len
         self.arena = arena
@@ -308,7 +291,7 @@ class Generator:
             committed = committed if self._bound_writes else None
             logits, caches, *latched = model.prefill_packed(
                 params, tokens, cu_seqlens, caches, lengths, layout=layout, committed=committed,
-                **self._attention.get("prefill", {}),
+                **self._attention["prefill"],
             )  # fmt: skip
             rng, sub = jax.random.split(rng)
             next_tok = jnp.where(ends, sample(logits, sub, sampling), next_tok)
@@ -351,7 +334,7 @@ class Generator:
             committed = committed if self._bound_writes else None
             logits, caches, *status = model.decode_step(
                 params, tokens, caches, lengths, layout=layout, committed=committed,
-                **self._attention.get("decode", {}),
+                **self._attention["decode"],
             )  # fmt: skip
             rng, sub = jax.random.split(rng)
             tokens = sample(logits, sub, sampling)

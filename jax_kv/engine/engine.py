@@ -50,8 +50,7 @@ from jax_kv.engine.request import (
 )
 from jax_kv.layout import Layout
 from jax_kv.memory import ArenaExhausted, MeshArena, VmmArena
-from jax_kv.ops import gqa_decode, gqa_prefill_packed
-from jax_kv.parallel import check_tp, head_sharded, mesh_size, shard_params
+from jax_kv.parallel import params_and_attention
 
 PREFILL_MIN_TOKENS = 16  # the smallest prefill bucket
 DEFAULT_MAX_LEN = 4096  # when neither the caller nor the model bounds a sequence lower
@@ -205,22 +204,7 @@ class Engine:
             )
         self.model = model
         self.mesh = mesh
-        self._attention: dict[str, Any] = {}
-        if mesh is None:
-            fuse = True if fuse_projections is None else bool(fuse_projections)
-            self.params = model.fused_params() if fuse else model.params
-        else:
-            if fuse_projections:
-                raise ValueError(
-                    "fuse_projections: tensor parallelism shards the unfused q/k/v and gate/up "
-                    "weights; leave it None or False with a mesh"
-                )
-            check_tp(config.num_q_heads, config.num_kv_heads, mesh_size(mesh))
-            self.params = shard_params(model, mesh)
-            self._attention = dict(
-                prefill=head_sharded(gqa_prefill_packed, mesh),
-                decode=head_sharded(gqa_decode, mesh),
-            )
+        self.params, self._attention = params_and_attention(model, mesh, fuse_projections)
         # Resolved here once (the cache takes it as given): whether it is a VmmArena decides
         # the prefix cache's default.
         arena = default_arena(mesh) if arena is None else arena
@@ -274,7 +258,7 @@ class Engine:
 
     def _prefill_fn(self) -> Any:
         model = self.model
-        attention = {"attention": self._attention["prefill"]} if self._attention else {}
+        attention = self._attention["prefill"]
         replicated = self._replicated
 
         def run(params, tokens, cu_seqlens, caches, lengths, committed, temp, top_k, top_p,
@@ -293,7 +277,7 @@ class Engine:
 
     def _decode_fn(self) -> Any:
         model = self.model
-        attention = {"attention": self._attention["decode"]} if self._attention else {}
+        attention = self._attention["decode"]
         replicated = self._replicated
 
         def run(params, tokens, caches, lengths, committed, temp, top_k, top_p, seeds):

@@ -95,6 +95,34 @@ def _put(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
+def params_and_attention(
+    model: Any, mesh: Mesh | None, fuse_projections: bool | None
+) -> tuple[Any, dict[str, dict[str, Any]]]:
+    """What a loop (Generator, Engine) steps with: (params, {"prefill": kwargs, "decode":
+    kwargs}) where the kwargs name the attention the model's step should call.
+
+    Without a mesh: the fused params (default) or the model's own, the ops as they are. Under a
+    mesh: the params sharded by `shard_params` (unfused: fused rows would split across the
+    wrong boundary) and the ops per shard (`head_sharded`)."""
+    if mesh is None:
+        fuse = True if fuse_projections is None else bool(fuse_projections)
+        return (model.fused_params() if fuse else model.params), {"prefill": {}, "decode": {}}
+    if fuse_projections:
+        raise ValueError(
+            "fuse_projections: tensor parallelism shards the unfused q/k/v and gate/up "
+            "weights; leave it None or False with a mesh"
+        )
+    from jax_kv.ops import gqa_decode, gqa_prefill_packed
+
+    config = model.config
+    check_tp(config.num_q_heads, config.num_kv_heads, mesh_size(mesh))
+    attention = {
+        "prefill": {"attention": head_sharded(gqa_prefill_packed, mesh)},
+        "decode": {"attention": head_sharded(gqa_decode, mesh)},
+    }
+    return shard_params(model, mesh), attention
+
+
 def head_sharded(op: Callable[..., tuple], mesh: Mesh) -> Callable[..., tuple]:
     """`op` with its contract, run per shard of mesh's "tp" axis on that shard's heads.
 
@@ -144,6 +172,7 @@ __all__ = [
     "check_tp",
     "head_sharded",
     "mesh_size",
+    "params_and_attention",
     "shard_params",
     "tp_mesh",
 ]
