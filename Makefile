@@ -58,8 +58,10 @@ wheel-smoke: install
 test: lint
 	$(MAKE) --no-print-directory wheel-smoke
 	$(BIN)/python -m pytest -q
-	# The tensor-parallel tests need 4 devices, a flag JAX reads once at start: their own run.
-	XLA_FLAGS=--xla_force_host_platform_device_count=4 $(BIN)/python -m pytest -q tests/parallel
+	# The in-process tensor-parallel tests need 4 devices, a flag JAX reads once at start: their
+	# own run (the multi-process and serve tests set it in their children, in the run above).
+	XLA_FLAGS=--xla_force_host_platform_device_count=4 $(BIN)/python -m pytest -q \
+		tests/parallel/test_tensor_parallel.py
 
 format: install-test
 	$(BIN)/ruff format $(PY_FILES)

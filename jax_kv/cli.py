@@ -246,6 +246,8 @@ def serve(args: argparse.Namespace) -> int:
 
     import jax_kv.models as jm
 
+    if args.tp > jax.device_count():
+        raise UserError(f"--tp: {args.tp} devices asked for, {jax.device_count()} present")
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     if args.random_weights:
         if args.model:
@@ -260,7 +262,7 @@ def serve(args: argparse.Namespace) -> int:
     return server_main.run(
         model, model_name=name, host=args.host, port=args.port, max_slots=args.max_slots,
         max_len=args.max_len, prefill_chunk_tokens=args.prefill_chunk_tokens,
-        max_queue=args.max_queue, api_key=args.api_key,
+        max_queue=args.max_queue, api_key=args.api_key, tp=args.tp,
     )  # fmt: skip
 
 
@@ -362,6 +364,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=_int_arg(1), default=1024, metavar="N")
     s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
     s.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
+    s.add_argument(
+        "--tp", type=_int_arg(1), default=1, metavar="N",
+        help="tensor parallelism over the KV heads of the first N devices (default 1)",
+    )  # fmt: skip
     s.set_defaults(run=serve)
     d = sub.add_parser(
         "demo",

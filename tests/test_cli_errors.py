@@ -193,6 +193,8 @@ def test_serve_refusals_before_the_model_loads(monkeypatch, capsys, tmp_path):
         (["--model", str(tmp_path), "--random-weights", "tiny-llama"], "give it or --model"),
         (["--port", "70000"], "--port: expected an int in [0, 65535], got '70000'"),
         (["--random-weights", "gpt-5"], "--random-weights: invalid choice: 'gpt-5'"),
+        (["--tp", "0"], "--tp: expected an int >= 1, got '0'"),
+        (["--tp", "4096"], f"--tp: 4096 devices asked for, {jax.device_count()} present"),
     ]
     for args, match in cases:
         assert cli.main(["serve", *args]) == 2, args

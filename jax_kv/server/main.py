@@ -10,6 +10,7 @@ from typing import Any
 import uvicorn
 
 from jax_kv.engine import Engine
+from jax_kv.parallel import tp_mesh
 from jax_kv.server.app import DRAIN_TIMEOUT_S, create_app
 
 
@@ -38,10 +39,12 @@ def run(
     max_queue: int = 1024,
     api_key: str | None = None,
     log_level: str = "info",
+    tp: int = 1,
 ) -> int:
+    mesh = tp_mesh(tp) if tp > 1 else None  # the KV heads split over the first tp devices
     engine = Engine(
         model, max_slots=max_slots, max_len=max_len, prefill_chunk_tokens=prefill_chunk_tokens,
-        max_queue=max_queue,
+        max_queue=max_queue, mesh=mesh,
     )  # fmt: skip
     app = create_app(engine, model_name=model_name, api_key=api_key)
     config = uvicorn.Config(
@@ -51,7 +54,7 @@ def run(
     server = _Server(config, app.state.jax_kv)
     print(
         f"jax_kv: serving {model_name!r} on http://{host}:{port}/v1 ({max_slots} slots, "
-        f"max_len {engine.max_len}); /health answers 200 once warmed up",
+        f"max_len {engine.max_len}, tp {tp}); /health answers 200 once warmed up",
         file=sys.stderr,
     )
     # uvicorn re-raises the stop signal to the handler it found once its graceful shutdown
