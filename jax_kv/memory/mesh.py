@@ -9,8 +9,8 @@ per-row control values) holds the same bytes on every device, at the same offset
 Every call that changes mappings (commit, share) is all-or-nothing across devices: a device
 that refuses rolls back the devices already done (`decommit_now`), so the arenas never
 disagree about which granules a slot holds. Byte counts are totals over the devices. Exports
-are global jax.Arrays assembled from the per-device views (`make_array_from_single_device_
-arrays`): zero-copy, each shard's pointer the part's.
+are global jax.Arrays assembled from the per-device views
+(`jax.make_array_from_single_device_arrays`): zero-copy, each shard's pointer the part's.
 """
 
 from __future__ import annotations

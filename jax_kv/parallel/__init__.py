@@ -9,7 +9,10 @@ the query heads that read them) over devices, as jax-llm-examples, MaxText and v
   place per shard (donate them); the status, where asked, is the maximum over shards.
 - `cache_sharding(mesh, layout)`: the `NamedSharding` of a cache `[B, S, Hkv, D]` (seq-major)
   or `[B, Hkv, S, D]` (head-major) with Hkv split.
-- `check_tp(config, tp)`: refuses a mesh the model cannot split, by name.
+- `check_tp(num_q_heads, num_kv_heads, tp)`: refuses a split that breaks a head, by name.
+- `shard_params(model, mesh)`: the model's params laid out by its `partition_specs`.
+- `params_and_attention(model, mesh, fuse_projections)`: what a loop (Generator, Engine) steps
+  with, with or without a mesh.
 
 The projections are sharded Megatron-style through `jax_kv.models.llama.partition_specs`:
 each shard computes its own heads' q/k/v and its part of the MLP's hidden units; the output and
