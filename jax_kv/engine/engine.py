@@ -458,15 +458,21 @@ class Engine:
         if self._thread is not None:
             raise EngineError("warm_up: call it before start()")
         vocab = self.model.config.vocab_size
+        longest = self.max_len - 1  # a prompt with one new token (its first, from prefill)
         n = PREFILL_MIN_TOKENS
-        while True:
-            n = min(n, self.max_len - 2)
-            # Prompts that share no block (the prefix cache would shorten their prefill).
-            self.submit([(n + i) % vocab for i in range(n)], 2, stop_token_ids=[])
+        while n <= self.prefill_chunk_tokens:
+            # The most real tokens a call for bucket n can hold: one prompt, or several packed
+            # together (a serving call packs rows too) where n passes the longest prompt.
+            real = min(n, self.max_slots * longest)
+            if n > PREFILL_MIN_TOKENS and real <= n // 2:
+                break  # no call reaches bucket n
+            for j in range(-(-real // longest)):
+                size = min(longest, real - j * longest)
+                # Prompts that share no block (the prefix cache would shorten their prefill).
+                self.submit([(n + 131 * j + i) % vocab for i in range(size)], 1,
+                            stop_token_ids=[])  # fmt: skip
             self.run_until_idle()
-            if n >= min(self.prefill_chunk_tokens, self.max_len - 2):
-                break
-            n = min(2 * n, self.prefill_chunk_tokens)
+            n *= 2
         for j in range(min(4, self.max_slots)):  # a packed call of several rows, a wide decode
             self.submit([1 + j] * min(20, self.max_len - 3), 3, stop_token_ids=[])
         self.run_until_idle()

@@ -302,3 +302,25 @@ def test_a_failed_step_ends_every_request_with_its_error(model, rng, engine):
                 r.result()
         with pytest.raises(EngineError, match=r"the engine failed: injected device failure"):
             eng.submit([1], 2)
+
+
+@pytest.mark.parametrize(
+    ("max_len", "chunk", "slots"),
+    [(256, 512, 8), (100, 512, 2), (130, 512, 1), (2048, 64, 4)],
+    ids=["max_len<chunk", "two short slots", "one slot", "chunk<max_len"],
+)
+def test_after_warm_up_no_request_waits_for_a_compile(model, rng, max_len, chunk, slots):
+    """warm_up compiles every prefill bucket a call can reach, including buckets only a packed
+    call of several rows reaches (max_len below the chunk: it used to miss them), and the
+    decode step; a burst of requests of every length then compiles nothing."""
+    with Engine(model, max_slots=slots, max_len=max_len, prefill_chunk_tokens=chunk,
+                arena=EagerArena()) as eng:  # fmt: skip
+        eng.warm_up()
+        before = (eng.stats.prefill_compiles, eng.stats.decode_compiles)
+        for n in rng.integers(1, min(max_len, 300), 24):
+            prompt = [int(t) for t in rng.integers(3, model.config.vocab_size, n)]
+            eng.submit(prompt, int(min(16, max_len - n)), stop_token_ids=[])
+        eng.run_until_idle()
+        assert (eng.stats.prefill_compiles, eng.stats.decode_compiles) == before, (
+            eng.stats.prefill_buckets
+        )
