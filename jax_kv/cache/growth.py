@@ -102,7 +102,7 @@ class EagerGrowth(GrowthStrategy):
     def start(self, cache: KvCache, n: int) -> None:
         cap = bucket_for(n, cache.min_bucket, cache.max_len)
         shape = cache.layout.cache_shape(cache.batch, cap, cache.num_kv_heads, cache.head_dim)
-        sharding = None if cache.mesh is None else cache_sharding(cache.mesh, cache.layout)
+        sharding = cache_sharding(cache.mesh, cache.layout)
         for _ in range(cache.num_layers):
             cache.k.append(cache.arena.zeros(shape, cache.dtype, sharding))
             cache.v.append(cache.arena.zeros(shape, cache.dtype, sharding))

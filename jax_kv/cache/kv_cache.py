@@ -17,7 +17,7 @@ from jax_kv.cache.growth import GrowthStrategy, growth_for
 from jax_kv.config import runtime_config
 from jax_kv.layout import Layout
 from jax_kv.memory import EagerArena, MeshArena, VmmArena
-from jax_kv.parallel import check_tp, mesh_size
+from jax_kv.parallel import check_tp, mesh_size, put_replicated
 
 
 def _module_exists(name: str) -> bool:
@@ -45,7 +45,7 @@ def arena_for(arena: Any, mesh: Any, num_kv_heads: int) -> Any:
     """The arena a cache of `num_kv_heads` uses: `arena`, or the default for `mesh`; under a
     mesh, refuses a split the heads do not allow and a one-device VmmArena."""
     if mesh is not None:
-        check_tp(num_kv_heads, num_kv_heads, mesh_size(mesh))
+        check_tp(num_kv_heads, mesh_size(mesh))
     arena = default_arena(mesh) if arena is None else arena
     if mesh is not None and isinstance(arena, VmmArena):
         raise ValueError(
@@ -197,7 +197,7 @@ class KvCache:
         values = np.ascontiguousarray(self.committed_tokens(), np.int32)
         control = self.growth.control
         if control is None:
-            self.committed = jnp.asarray(values)
+            self.committed = put_replicated(values, self.mesh)
         else:  # no step is in flight during growth: the write cannot race a kernel's read
             control.write(0, values.tobytes())  # on every device under a mesh
 

@@ -32,15 +32,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jax_kv.cache.capacity import CapacityError
 from jax_kv.cache.kv_cache import arena_for
 from jax_kv.layout import Layout
 from jax_kv.memory import ArenaError, ArenaExhausted, MeshArena, Region, VmmArena
 from jax_kv.memory.mesh import REPLICATED, allocate
-from jax_kv.parallel import cache_sharding, cache_spec
+from jax_kv.parallel import cache_sharding, cache_spec, put_replicated
 
 DEFAULT_GRANULE_BYTES = 2 << 20  # the eager path's accounting block: the H200's VMM granule
 
@@ -173,7 +171,7 @@ class SlotCache:
                 self.regions.append(self._allocate(self.num_slots * self.slot_bytes))
             self._control = self._allocate(self.num_slots * 4, replicated=True)
             self._control.commit(self.num_slots * 4)
-            self._write_control(np.zeros((self.num_slots,), np.int32))
+            self._control.write(0, np.zeros((self.num_slots,), np.int32).tobytes())
             # Its address (held by a recorded CUDA graph) never changes: the host rewrites it.
             self.committed = self._control.export((self.num_slots,), jnp.int32)
             arrays = [r.export(self.shape, self.dtype) for r in self.regions]
@@ -181,7 +179,7 @@ class SlotCache:
             for _ in range(self.bindings if self.store_blocks else 0):
                 self.store.append(self._allocate(self.store_blocks * block_bytes))
         else:
-            sharding = None if self.mesh is None else cache_sharding(self.mesh, self.layout)
+            sharding = cache_sharding(self.mesh, self.layout)
             arrays = [
                 self.arena.zeros(self.shape, self.dtype, sharding) for _ in range(self.bindings)
             ]
@@ -452,20 +450,15 @@ class SlotCache:
 
     def _write_committed(self) -> None:
         values = np.ascontiguousarray(self.committed_tokens(), np.int32)
-        if self._control is not None:
-            self._write_control(values)
-        elif self.mesh is not None:  # replicated: every process passes the same values
-            self.committed = jax.device_put(values, NamedSharding(self.mesh, P()))
+        if self._control is not None:  # on every device under a mesh
+            self._control.write(0, values.tobytes())
         else:
-            self.committed = jnp.asarray(values)
+            self.committed = put_replicated(values, self.mesh)
 
     def _allocate(self, nbytes: int, replicated: bool = False) -> Any:
         """A region of the arena; under a mesh laid out as the cache arrays (Hkv split) or,
         for the per-row control values, replicated on every device."""
         return allocate(self.arena, nbytes, REPLICATED if replicated else cache_spec(self.layout))
-
-    def _write_control(self, values: np.ndarray) -> None:
-        self._control.write(0, values.tobytes())  # on every device under a mesh
 
     # -- the step protocol ---------------------------------------------------------------------
 
@@ -505,14 +498,7 @@ class SlotCache:
             lo = int(b) * self.slot_bytes + skip
             spans.append((lo, int(self.granules[b]) * self.granule - skip))
         for region, out in zip(self.regions, outputs, strict=True):
-            if self.mesh is not None:
-                self.write_back_bytes += region.write_spans(out, spans)
-            else:
-                data = np.asarray(out).reshape(-1).view(np.uint8)
-                for lo, n in spans:
-                    self.arena.write(region.ptr + lo, data[lo : lo + n].tobytes())
-                    self.write_back_bytes += n
-                del data
+            self.write_back_bytes += region.write_spans(out, spans)
             out.delete()
 
 

@@ -28,7 +28,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -50,7 +49,7 @@ from jax_kv.engine.request import (
 )
 from jax_kv.layout import Layout
 from jax_kv.memory import ArenaExhausted, MeshArena, VmmArena
-from jax_kv.parallel import params_and_attention
+from jax_kv.parallel import params_and_attention, put_replicated
 
 PREFILL_MIN_TOKENS = 16  # the smallest prefill bucket
 DEFAULT_MAX_LEN = 4096  # when neither the caller nor the model bounds a sequence lower
@@ -734,9 +733,7 @@ class Engine:
         values[held] = 0
         # The same kind of array as the cache's own bound (a sharding is part of the compile
         # key): one compiled decode step for both.
-        if self.mesh is None:
-            return jnp.asarray(values)
-        return jax.device_put(values, NamedSharding(self.mesh, PartitionSpec()))
+        return put_replicated(values, self.mesh)
 
     def _lengths(self) -> np.ndarray:
         return np.array([0 if s is None else s.cached for s in self._slots], np.int32)
@@ -754,11 +751,7 @@ class Engine:
         # Uploaded again only after an admission changed a row: not four transfers per step.
         if self._sampling_device is None:
             arrays = (self._temperature, self._top_k, self._top_p, self._seeds)
-            if self.mesh is None:
-                self._sampling_device = tuple(jnp.asarray(a) for a in arrays)
-            else:  # replicated over the mesh (every process passes the same values)
-                every = NamedSharding(self.mesh, PartitionSpec())
-                self._sampling_device = tuple(jax.device_put(a, every) for a in arrays)
+            self._sampling_device = tuple(put_replicated(a, self.mesh) for a in arrays)
         return self._sampling_device
 
     # -- tokens and endings -------------------------------------------------------------

@@ -265,6 +265,16 @@ class Region:
         """Whether `array` is this region's memory (not a copy XLA made)."""
         return array.unsafe_buffer_pointer() == self.ptr
 
+    def write_spans(self, array: jax.Array, spans: Iterable[tuple[int, int]]) -> int:
+        """Writes the byte spans [lo, lo + n) of `array` (laid out as this region) into the
+        region (the host driver's write-back); returns the bytes written."""
+        data = np.asarray(array).reshape(-1).view(np.uint8)
+        written = 0
+        for lo, n in spans:
+            self.write(lo, data[lo : lo + n].tobytes())
+            written += n
+        return written
+
     def free(self) -> None:
         self.arena._free(self)
 

@@ -57,8 +57,8 @@ class MeshRegion:
 
     def write(self, offset: int, data: bytes) -> None:
         """Writes host bytes at a local offset of every part (a replicated region's values)."""
-        for arena, part in zip(self.arena.arenas, self.parts, strict=True):
-            arena.write(part.ptr + offset, data)
+        for part in self.parts:
+            part.write(offset, data)
 
     def write_spans(self, array: jax.Array, spans: Iterable[tuple[int, int]]) -> int:
         """Writes the global byte spans [lo, lo + n) of `array` (laid out as this region) into
@@ -68,7 +68,7 @@ class MeshRegion:
         for arena, part in zip(self.arena.arenas, self.parts, strict=True):
             data = np.asarray(by_device[arena.device]).reshape(-1).view(np.uint8)
             for lo, n in spans:
-                arena.write(part.ptr + lo, data[lo : lo + n].tobytes())
+                part.write(lo, data[lo : lo + n].tobytes())
         return sum(n for _, n in spans) * self.scale
 
     def holds(self, array: jax.Array) -> bool:

@@ -9,7 +9,9 @@ the query heads that read them) over devices, as jax-llm-examples, MaxText and v
   place per shard (donate them); the status, where asked, is the maximum over shards.
 - `cache_sharding(mesh, layout)`: the `NamedSharding` of a cache `[B, S, Hkv, D]` (seq-major)
   or `[B, Hkv, S, D]` (head-major) with Hkv split.
-- `check_tp(num_q_heads, num_kv_heads, tp)`: refuses a split that breaks a head, by name.
+- `check_tp(num_kv_heads, tp)`: refuses a split that breaks a KV head, by name.
+- `put_replicated(values, mesh)`: per-row host values as the step's input, whole on every
+  device of the mesh (every process passes the same values).
 - `shard_params(model, mesh)`: the model's params laid out by its `partition_specs`.
 - `params_and_attention(model, mesh, fuse_projections)`: what a loop (Generator, Engine) steps
   with, with or without a mesh.
@@ -25,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -51,15 +54,22 @@ def mesh_size(mesh: Mesh | None) -> int:
     return 1 if mesh is None else int(mesh.shape[TP_AXIS])
 
 
-def check_tp(num_q_heads: int, num_kv_heads: int, tp: int) -> None:
-    """Refuses a split that would break a KV head or its group of query heads."""
+def check_tp(num_kv_heads: int, tp: int) -> None:
+    """Refuses a split that would break a KV head (the query heads follow: Hq is a multiple
+    of Hkv, so whole KV heads per device carry whole groups of query heads)."""
     if num_kv_heads % tp:
         raise ValueError(
             f"mesh: tp={tp} does not divide num_kv_heads={num_kv_heads}; KV heads are split "
             f"over the tp axis, whole"
         )
-    if num_q_heads % tp:
-        raise ValueError(f"mesh: tp={tp} does not divide num_q_heads={num_q_heads}")
+
+
+def put_replicated(values: Any, mesh: Mesh | None) -> jax.Array:
+    """Host values (per-row lengths, bounds, sampling) on the device, or whole on every
+    device of `mesh`: one kind of array per input, so a step compiles once."""
+    if mesh is None:
+        return jnp.asarray(values)
+    return jax.device_put(values, NamedSharding(mesh, P()))
 
 
 def cache_spec(layout: Layout | str | int) -> P:
@@ -69,8 +79,9 @@ def cache_spec(layout: Layout | str | int) -> P:
     return P(None, TP_AXIS, None, None)  # [B, Hkv, S, D]
 
 
-def cache_sharding(mesh: Mesh, layout: Layout | str | int) -> NamedSharding:
-    return NamedSharding(mesh, cache_spec(layout))
+def cache_sharding(mesh: Mesh | None, layout: Layout | str | int) -> NamedSharding | None:
+    """The NamedSharding of a cache array over `mesh` (None without a mesh)."""
+    return None if mesh is None else NamedSharding(mesh, cache_spec(layout))
 
 
 def shard_params(model: Any, mesh: Mesh) -> Any:
@@ -117,8 +128,7 @@ def params_and_attention(
         )
     from jax_kv.ops import gqa_decode, gqa_prefill_packed
 
-    config = model.config
-    check_tp(config.num_q_heads, config.num_kv_heads, mesh_size(mesh))
+    check_tp(model.config.num_kv_heads, mesh_size(mesh))
     attention = {
         "prefill": {"attention": head_sharded(gqa_prefill_packed, mesh)},
         "decode": {"attention": head_sharded(gqa_decode, mesh)},
@@ -139,8 +149,7 @@ def head_sharded(op: Callable[..., tuple], mesh: Mesh) -> Callable[..., tuple]:
 
     def call(q, k, v, k_cache, v_cache, *rows, layout, return_status=False, **kwargs):
         layout = Layout.parse(layout)
-        hq, hkv = q.shape[-2], k.shape[-2]
-        check_tp(hq, hkv, tp)
+        check_tp(k.shape[-2], tp)  # the op itself checks the head ratio
         arrays = {n: kwargs.pop(n) for n in _ROW_KEYWORDS if kwargs.get(n) is not None}
         heads = P(*([None] * (q.ndim - 2)), TP_AXIS, None)
         cache = cache_spec(layout)
@@ -175,6 +184,7 @@ __all__ = [
     "check_tp",
     "head_sharded",
     "mesh_size",
+    "put_replicated",
     "params_and_attention",
     "shard_params",
     "tp_mesh",
