@@ -125,6 +125,22 @@ def time_padded(model, prompts, repeats) -> tuple[float, str]:
     return statistics.median(times[1:]), ""
 
 
+def padded_would_not_fit(config, batch, T, temp_bytes, dtype) -> tuple[float, str] | None:
+    """(nan, why) when the padded call's cache + temporaries exceed what XLA can still allocate.
+
+    Running it anyway does not fail fast: XLA's allocator retries the allocation every ~10 s.
+    """
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    cache = 2 * config.num_layers * batch * T * config.num_kv_heads * config.head_dim
+    need = temp_bytes + cache * dtype.itemsize
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    if need <= free:
+        return None
+    return float("nan"), f"does not fit: needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+
+
 def time_packed(gen, prompts, repeats) -> tuple[float, str]:
     times = []
     try:
@@ -181,7 +197,8 @@ def main() -> None:
         )  # fmt: skip
         if model is not None:
             timed = {
-                "padded": time_padded(model, prompts, args.repeats),
+                "padded": padded_would_not_fit(config, B, T, row["padded"]["temp_bytes"], dtype)
+                or time_padded(model, prompts, args.repeats),
                 "packed": time_packed(gen, prompts, args.repeats),
             }
             for form, (seconds, error) in timed.items():
@@ -196,14 +213,22 @@ def main() -> None:
     for r in rows:
         p, k = r["padded"], r["packed"]
         speed = " / ".join(
-            f"{x['tokens_per_s']:,.0f}" if "tokens_per_s" in x else "-" for x in (p, k)
+            f"{x['tokens_per_s']:,.0f}" if x.get("ttft_s", np.nan) == x.get("ttft_s") else "-"
+            for x in (p, k)
         )
-        ttft = " / ".join(f"{x['ttft_s']:.3f}" if "ttft_s" in x else "-" for x in (p, k))
+        ttft = " / ".join(
+            f"{x['ttft_s']:.3f}" if x.get("ttft_s", np.nan) == x.get("ttft_s") else "-"
+            for x in (p, k)
+        )
         print(
             f"| {r['workload']} | {r['real_tokens']:,} | {p['computed'] / r['real_tokens']:.2f}x / "
             f"{k['computed'] / r['real_tokens']:.2f}x | {p['temp_bytes'] / 2**30:.2f} / "
             f"{k['temp_bytes'] / 2**30:.2f} | {speed} | {ttft} |"
         )
+    for r in rows:
+        for form in ("padded", "packed"):
+            if r[form].get("error"):
+                print(f"{r['workload']}, {form}: {r[form]['error']}")
     args.out.mkdir(parents=True, exist_ok=True)
     tag = os.environ.get("JAX_KV_COMMIT", "")
     kind = "memory" if args.memory_only else "timed"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the CUDA module, run the GPU tests, run the benchmarks. Logs go to
 # $OUT (or ./device-out). Each stage has its own time limit so the whole fits one call.
-#   bash scripts/device_run.sh [stages...]   stages: build ops ops-off gen cache attn generate profile san
+#   bash scripts/device_run.sh [stages...]   stages: build ops ops-off gen cache attn generate profile san pytests
 #     prefill-profile failsafe vmm-san soak serving prefill-bench serve serve-prefix serve-http issue20
 # GEN_MODELS, GEN_BATCH, GEN_TOKENS, GEN_IMPLS, GEN_TIMEOUT set bench/generate.py's run.
 # ATTN_ARGS passes options to bench/attention.py (e.g. "--decode-kernel auto,simt"), ATTN_TIMEOUT
@@ -80,6 +80,12 @@ for s in $STAGES; do
       stage "bench/soak.py"
       timeout -k 10 ${SOAK_TIMEOUT:-200} python3 bench/soak.py --steps ${SOAK_STEPS:-20000} --out "$OUT" 2>&1 \
         | tee "$OUT/soak.log" | tail -14 ;;
+    pytests)
+      # PYTESTS names the tests (GPU-marked ones only), PYTEST_TIMEOUT the limit: one test's
+      # traceback, without the whole stage it failed in.
+      stage "pytest -m gpu $PYTESTS"
+      timeout -k 10 ${PYTEST_TIMEOUT:-120} python3 -m pytest -m gpu $PYTESTS -q -p no:cacheprovider \
+        -p no:benchmark -s -rs --tb=long 2>&1 | tee "$OUT/pytests.log" | tail -60 ;;
     serving)
       stage "GPU tests of the serving stack (slot cache, shared granules, packed prefill, engine)"
       timeout -k 10 ${SERVING_TIMEOUT:-240} python3 -m pytest -m gpu tests/cache/test_slots.py \
