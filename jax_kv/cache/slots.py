@@ -8,6 +8,10 @@ life, so one compiled step serves every set of requests.
 
 The write bound the ops take (`committed`, int32 [B]) is each slot's committed tokens; 0 marks
 a free slot, which the attention ops neither read nor write (`row_idle`, cuda/gqa_params.h).
+On VMM `committed`, `k` and `v` are views the cache writes in place, behind JAX's back: read
+host values with `committed_tokens()`. `np.asarray` of a GPU view is a snapshot that JAX keeps
+on the array object, so a second `np.asarray` returns the first one's bytes (found on the
+H100: a test read `committed` before and after `release_slot` and saw no change).
 
 Memory, by arena:
 - VmmArena: each slot's range is whole granules (S rounded up so a slot starts and ends on a

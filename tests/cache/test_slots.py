@@ -55,6 +55,12 @@ def granule_tokens(arena):
         return probe.granule // probe.token_bytes
 
 
+def now(array):
+    """The array's bytes as they are now. The cache writes its views in place, behind JAX's
+    back, and a GPU array keeps the host copy of its first np.asarray (a CPU one is a view)."""
+    return np.asarray(jnp.copy(array))
+
+
 def write_token_rows(cache, b, n, value):
     """Writes `value` into the first n tokens of slot b of every binding (host bytes)."""
     row = np.full((n * cache.token_bytes // 4,), value, np.float32).tobytes()
@@ -75,7 +81,7 @@ def test_geometry_slots_are_whole_granules_and_tokens(arena):
         else:  # the eager path only counts granules: dense rows of max_len
             assert cache.slot_tokens == cache.max_len
         assert cache.k[0].shape == (B, cache.slot_tokens, 3, D)
-        assert np.asarray(cache.committed).tolist() == [0] * B
+        assert now(cache.committed).tolist() == [0] * B
         assert cache.held_bytes == 0
         if cache.is_vmm:
             assert cache.committed_bytes == 0
@@ -89,30 +95,30 @@ def test_ensure_and_release_follow_the_slot(arena):
         assert cache.ensure_slot(0, g_tokens) == 0  # still one granule
         assert cache.ensure_slot(0, g_tokens + 1) == 1
         assert cache.ensure_slot(2, 3 * g_tokens) == 3
-        assert np.asarray(cache.committed).tolist() == [2 * g_tokens, 0, 3 * g_tokens, 0]
+        assert now(cache.committed).tolist() == [2 * g_tokens, 0, 3 * g_tokens, 0]
         assert cache.held_bytes == 5 * cache.bindings * cache.granule
         if cache.is_vmm:
             assert cache.committed_bytes == cache.held_bytes
             write_token_rows(cache, 0, 2 * g_tokens, 1.0)
             write_token_rows(cache, 2, 3 * g_tokens, 2.0)
-            k0 = np.array(cache.k[0])  # a copy: a zero-copy numpy view would hold the arena view
+            k0 = now(cache.k[0])  # a copy: a zero-copy numpy view would hold the arena view
             assert (k0[0, : 2 * g_tokens] == 1).all() and (k0[2, : 3 * g_tokens] == 2).all()
             assert (k0[0, 2 * g_tokens :] == 0).all()  # the tail: the zero granule
         before = cache.held_bytes
         freed = cache.release_slot(0)
         assert freed == 2 * cache.bindings * cache.granule
         assert cache.held_bytes == before - freed
-        assert np.asarray(cache.committed).tolist() == [0, 0, 3 * g_tokens, 0]
+        assert now(cache.committed).tolist() == [0, 0, 3 * g_tokens, 0]
         assert cache.release_slot(0) == 0  # idempotent
         if cache.is_vmm:
             assert cache.committed_bytes == cache.held_bytes
             for a in (*cache.k, *cache.v):  # the live views: slot 0 zeros, slot 2 intact
-                host = np.array(a)
+                host = now(a)
                 assert (host[0] == 0).all()
                 assert (host[2, : 3 * g_tokens] == 2).all()
             # A released slot's granules come back as fresh zeros when committed again.
             cache.ensure_slot(0, 1)
-            assert (np.array(cache.k[1])[0] == 0).all()
+            assert (now(cache.k[1])[0] == 0).all()
         else:
             assert cache.committed_bytes == 2 * L * B * cache.slot_bytes  # dense, always
 
@@ -120,7 +126,7 @@ def test_ensure_and_release_follow_the_slot(arena):
 def test_refusals_leave_the_cache_as_it_was(arena):
     with make(arena, budget_bytes=None if arena is None else None) as cache:
         cache.ensure_slot(1, 5)
-        state = (cache.granules.copy(), np.asarray(cache.committed).copy(), cache.held_bytes)
+        state = (cache.granules.copy(), now(cache.committed).copy(), cache.held_bytes)
         with pytest.raises(CapacityError, match=r"1001 tokens outside \[0, max_len=1000\]"):
             cache.ensure_slot(1, 1001)
         with pytest.raises(ValueError, match=r"slot expected in \[0, 4\), got 4"):
@@ -128,7 +134,7 @@ def test_refusals_leave_the_cache_as_it_was(arena):
         with pytest.raises(ValueError, match=r"slot expected an int, got True"):
             cache.release_slot(True)
         assert (cache.granules == state[0]).all()
-        assert (np.asarray(cache.committed) == state[1]).all() and cache.held_bytes == state[2]
+        assert (now(cache.committed) == state[1]).all() and cache.held_bytes == state[2]
 
 
 def test_budget_refuses_all_or_nothing(arena):
@@ -141,7 +147,7 @@ def test_budget_refuses_all_or_nothing(arena):
         with pytest.raises(ArenaExhausted, match=r"slot 3 needs .* more bytes for .* tokens"):
             cache.ensure_slot(3, 2 * g_tokens)
         assert cache.granules.tolist() == [2, 0, 0, 0]
-        assert np.asarray(cache.committed).tolist()[3] == 0
+        assert now(cache.committed).tolist()[3] == 0
         if cache.is_vmm:
             assert cache.committed_bytes == 2 * per_granule
         cache.release_slot(0)
