@@ -48,6 +48,7 @@ import jax_kv.models as jm  # noqa: E402
 from jax_kv import _ffi  # noqa: E402
 from jax_kv.decode import Generator  # noqa: E402
 from jax_kv.engine import Engine  # noqa: E402
+from jax_kv.memory import ArenaExhausted  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e, the issue's roofline
 
@@ -59,6 +60,9 @@ class Heartbeat:
     def __init__(self, eng: Engine, n: int) -> None:
         every = float(os.environ.get("SERVE_HEARTBEAT_S", 15))
         self.eng, self.n, self.every, self.next = eng, n, every, every
+        # warm_up's requests are not the workload's (the H100 run printed "finished 155" of 150)
+        self.finished0 = sum(eng.stats.finished.values())
+        self.steps0, self.decode0 = eng.stats.steps, eng.stats.decode_tokens
 
     def __call__(self, now: float, submitted: int, steps: list, host: list) -> None:
         if now < self.next:
@@ -68,8 +72,9 @@ class Heartbeat:
         recent = f"{np.mean(steps[-k:]) * 1e3:.1f} ms/step ({np.mean(host[-k:]) * 1e3:.1f} host)"
         print(
             f"  [{now:.0f} s] submitted {submitted}/{self.n}, running {self.eng.num_running}, "
-            f"waiting {self.eng.num_waiting}, finished {sum(s.finished.values())}, steps "
-            f"{s.steps}, decode tokens {s.decode_tokens}, last {k} steps "
+            f"waiting {self.eng.num_waiting}, finished {sum(s.finished.values()) - self.finished0}"
+            f", steps {s.steps - self.steps0}, decode tokens {s.decode_tokens - self.decode0}, "
+            f"last {k} steps "
             f"{recent if k else '-'}",
             file=sys.stderr, flush=True,
         )  # fmt: skip
@@ -279,8 +284,32 @@ def run_engine_no_prefix(model, wl: Workload, arrivals: np.ndarray, args) -> dic
     return run_engine(model, wl, arrivals, args, prefix=False)
 
 
+DENSE_HEADROOM_BYTES = 6 << 30  # XLA's temporaries: an 8k prefill's fresh cache, cuDNN's work
+
+
+def dense_slots_that_fit(model, args) -> int:
+    """--dense-slots (default --slots), lowered to the dense [slots, max_len] rows that the
+    device's free memory holds beside DENSE_HEADROOM_BYTES, as the issue's comparator is sized
+    ("the largest that fits memory"). Asking for more does not fail fast: on the H100 XLA
+    retried a 1.5 GiB allocation every 10 s until the stage's limit."""
+    want = args.dense_slots or args.slots
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return want
+    c = model.config
+    row = 2 * c.num_layers * args.max_len * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) - DENSE_HEADROOM_BYTES
+    fits = int(max(0, free) // row)
+    if fits < want:
+        print(f"dense: {want} slots of {row / 2**30:.2f} GiB do not fit {free / 2**30:.1f} GiB "
+              f"free: {fits} slots", flush=True)  # fmt: skip
+    return min(want, fits)
+
+
 def run_dense(model, wl: Workload, arrivals: np.ndarray, args) -> dict:
-    slots = args.dense_slots or args.slots
+    slots = dense_slots_that_fit(model, args)
+    if slots == 0:
+        raise MemoryError("dense: not one slot of max_len fits the device's free memory")
     eng = DenseSlotEngine(model, slots, args.max_len)
     eng.warm_up(max(len(p) for p in wl.prompts))
     t0 = time.perf_counter()
@@ -302,10 +331,22 @@ def run_static(model, wl: Workload, arrivals: np.ndarray, args) -> dict:
     times: list[list[float]] = [[] for _ in range(n)]
     clock = float(arr.min())
     compile_s = 0.0
-    for k in range(0, n, args.slots):
-        batch = order[k : k + args.slots]
+    batches = [order[k : k + args.slots] for k in range(0, n, args.slots)]
+    sizes, splits = [], 0
+    while batches:
+        batch = batches.pop(0)
         most = max(sub.news[i] for i in batch)
-        res = gen.generate([sub.prompts[i] for i in batch], most, stop_tokens=[])
+        try:
+            res = gen.generate([sub.prompts[i] for i in batch], most, stop_tokens=[])
+        except ArenaExhausted:
+            # The Generator commits every row to the batch's longest (prompt + output): a
+            # batch that does not fit runs as two, one after the other, as a user would.
+            if len(batch) == 1:
+                raise
+            half, splits = len(batch) // 2, splits + 1
+            batches[:0] = [batch[:half], batch[half:]]
+            continue
+        sizes.append(len(batch))
         st = res.stats
         compile_s += st.compile_seconds
         start = max(clock, max(arr[i] for i in batch))
@@ -315,7 +356,9 @@ def run_static(model, wl: Workload, arrivals: np.ndarray, args) -> dict:
             times[i] = [first + j * per_token for j in range(sub.news[i])]
         clock = first + st.decode_seconds
     out = latency_metrics(times, arr, sub)
-    out.update(requests=n, compile_seconds_excluded=compile_s)
+    out.update(
+        requests=n, compile_seconds_excluded=compile_s, batch_sizes=sizes, batch_splits=splits
+    )
     return out
 
 
@@ -323,54 +366,60 @@ def fmt_bytes(x) -> str:
     return f"{x / 2**30:.2f} GiB"
 
 
-def print_table(results: dict, args) -> None:
+def print_header(args) -> None:
     print(
         f"\n{args.model} shape, {args.dtype}, random weights, greedy; {args.slots} slots, max_len "
         f"{args.max_len}, chunk {args.chunk}; {args.requests} requests, prompt median "
         f"{args.prompt_median} (max {args.prompt_max}), output median {args.output_median} (max "
-        f"{args.output_max}); backend {jax.default_backend()}"
+        f"{args.output_max}); {jax.devices()[0].device_kind}"
     )
-    head = "| rate | engine | out tok/s | req/s | TTFT p50/p99 ms | ITL p50/p99 ms | notes |"
-    print(head)
-    print("|" + "---|" * 7)
-    for rate, engines in results.items():
-        for name, m in engines.items():
-            notes = ""
-            if name.startswith("jax_kv"):
-                physical = (
-                    ""
-                    if m["arena"] == "vmm"
-                    else f" (eager arena: {fmt_bytes(m['peak_committed_kv_bytes'])} dense)"
-                )
-                notes = (
-                    f"KV held mean {fmt_bytes(m['mean_held_kv_bytes'])} (live "
-                    f"{fmt_bytes(m['mean_live_kv_bytes'])} + floor "
-                    f"{fmt_bytes(m['mean_floor_bytes'])}), peak "
-                    f"{fmt_bytes(m['peak_held_kv_bytes'])}{physical}; decode compiles "
-                    f"{m['decode_compiles_after_warmup']}, prefill compiles "
-                    f"{m['prefill_compiles_after_warmup']}; preemptions {m['preemptions']}; "
-                    f"scheduling {m['host_ms_per_step']:.2f} ms/step "
-                    f"({100 * m['host_fraction']:.1f}%)"
-                    + (
-                        f"; prefill computed {m['prefill_tokens_computed']:,} positions for "
-                        f"{m['prompt_tokens']:,} prompt tokens ({m['unique_prompt_tokens']:,} "
-                        f"unique), prefix hits {m['prefix_hit_tokens']:,} tokens"
-                    )
-                    + (
-                        f"; decode at roofline x{m['decode_roofline_ratio']:.2f}"
-                        if m["decode_roofline_ratio"]
-                        else ""
-                    )
-                )
-            elif name == "dense":
-                notes = f"{m['slots']} slots, dense KV {fmt_bytes(m['dense_cache_bytes'])}"
-            elif name == "static":
-                notes = f"first {m['requests']} requests, timeline from measured times"
-            print(
-                f"| {rate} | {name} | {m['output_tok_s']:.0f} | {m['requests_s']:.2f} | "
-                f"{m['ttft_p50_ms']:.0f}/{m['ttft_p99_ms']:.0f} | "
-                f"{m['itl_p50_ms']:.1f}/{m['itl_p99_ms']:.1f} | {notes} |"
+    print("| rate | engine | out tok/s | req/s | TTFT p50/p99 ms | ITL p50/p99 ms | notes |")
+    print("|" + "---|" * 7, flush=True)
+
+
+def print_row(rate: str, name: str, m: dict, args) -> None:
+    """One engine's row, printed as soon as it ran (a later engine can exhaust the call)."""
+    notes = ""
+    if name.startswith("jax_kv"):
+        physical = (
+            ""
+            if m["arena"] == "vmm"
+            else f" (eager arena: {fmt_bytes(m['peak_committed_kv_bytes'])} dense)"
+        )
+        notes = (
+            f"KV held mean {fmt_bytes(m['mean_held_kv_bytes'])} (live "
+            f"{fmt_bytes(m['mean_live_kv_bytes'])} + floor "
+            f"{fmt_bytes(m['mean_floor_bytes'])}), peak "
+            f"{fmt_bytes(m['peak_held_kv_bytes'])}{physical}; decode compiles "
+            f"{m['decode_compiles_after_warmup']}, prefill compiles "
+            f"{m['prefill_compiles_after_warmup']}; preemptions {m['preemptions']}; "
+            f"scheduling {m['host_ms_per_step']:.2f} ms/step "
+            f"({100 * m['host_fraction']:.1f}%)"
+            + (
+                f"; prefill computed {m['prefill_tokens_computed']:,} positions for "
+                f"{m['prompt_tokens']:,} prompt tokens ({m['unique_prompt_tokens']:,} "
+                f"unique), prefix hits {m['prefix_hit_tokens']:,} tokens"
             )
+            + (
+                f"; decode at roofline x{m['decode_roofline_ratio']:.2f}"
+                if m["decode_roofline_ratio"]
+                else ""
+            )
+        )
+    elif name == "dense":
+        notes = f"{m['slots']} slots, dense KV {fmt_bytes(m['dense_cache_bytes'])}"
+    elif name == "static":
+        notes = f"first {m['requests']} requests, timeline from measured times" + (
+            f"; {m['batch_splits']} batches did not fit and ran as halves (sizes "
+            f"{m['batch_sizes']})"
+            if m.get("batch_splits")
+            else ""
+        )
+    print(
+        f"| {rate} | {name} | {m['output_tok_s']:.0f} | {m['requests_s']:.2f} | "
+        f"{m['ttft_p50_ms']:.0f}/{m['ttft_p99_ms']:.0f} | "
+        f"{m['itl_p50_ms']:.1f}/{m['itl_p99_ms']:.1f} | {notes} |"
+    )
 
 
 def plot(results: dict, path: Path) -> str:
@@ -500,6 +549,9 @@ def main() -> None:
         ),
     )
     model = jm.random_model(config, seed=args.seed, dtype=jnp.dtype(args.dtype))
+    # Fused once, in place: every engine runs the fused projections, and none holds a fused
+    # copy beside the separate weights (14 GiB at 8B, memory the dense cache needs).
+    model.fuse_projections()
     rng = np.random.default_rng(args.seed)
     if args.workload == "multi-turn":
         print(
@@ -532,28 +584,31 @@ def main() -> None:
     engines = args.engines.split(",")
     static_rates = set(args.static_rates.split(","))
     results: dict[str, dict] = {}
+    meta = dict(vars(args), out=str(args.out), backend=jax.default_backend(),
+                device=str(jax.devices()[0]), device_kind=jax.devices()[0].device_kind,
+                output_tokens=wl.output_tokens,
+                prompt_tokens=int(sum(len(p) for p in wl.prompts)))  # fmt: skip
+    stem = f"serve_{args.model}_{jax.default_backend()}"
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+    print_header(args)
     for rate_name in args.rates.split(","):
         rate = float(rate_name)
         arrivals = arrival_times(np.random.default_rng(args.seed + 1), len(wl.prompts), rate)
-        row: dict[str, dict] = {}
+        row = results.setdefault(rate_name, {})
         for name in engines:
             if name == "static" and rate_name not in static_rates:
                 continue
             fn = {"jax_kv": run_engine, "jax_kv-noprefix": run_engine_no_prefix,
                   "dense": run_dense, "static": run_static}[name]  # fmt: skip
             row[name] = fn(model, wl, arrivals, args)
-            print(f"rate {rate_name} {name}: {row[name]['output_tok_s']:.0f} tok/s", flush=True)
-        results[rate_name] = row
-    print_table(results, args)
-    meta = dict(vars(args), out=str(args.out), backend=jax.default_backend(),
-                device=str(jax.devices()[0]), output_tokens=wl.output_tokens,
-                prompt_tokens=int(sum(len(p) for p in wl.prompts)))  # fmt: skip
+            print_row(rate_name, name, row[name], args)
+            sys.stdout.flush()
+            if args.out is not None:  # after each engine: a later one may not finish
+                (args.out / f"{stem}.json").write_text(
+                    json.dumps(dict(meta=meta, results=results), indent=1)
+                )
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        stem = f"serve_{args.model}_{jax.default_backend()}"
-        (args.out / f"{stem}.json").write_text(
-            json.dumps(dict(meta=meta, results=results), indent=1)
-        )
         print(plot(results, args.out / f"{stem}.png"))
         print(f"wrote {args.out / stem}.json")
     sys.stdout.flush()
