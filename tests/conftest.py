@@ -1,6 +1,9 @@
 """Strict settings for every test (Equinox-style), the `gpu` marker's skip, and the arenas'
 must-be-zero fault counters checked after every test (GPU and host arenas alike)."""
 
+import os
+import zlib
+
 import jax
 import numpy as np
 import pytest
@@ -26,11 +29,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# Fresh random inputs each session, reproducible: TEST_SEED=N pytest ... replays a session (its
+# value is in the report header). A test's seed mixes it with a stable hash of the test id
+# (str hash() is salted per process, which made one CPU failure impossible to replay).
+SESSION_SEED = int(os.environ.get("TEST_SEED") or np.random.SeedSequence().entropy % 2**31)
+os.environ["TEST_SEED"] = str(SESSION_SEED)  # xdist's workers start later and inherit it
+
+
+def pytest_report_header(config):
+    return f"TEST_SEED={SESSION_SEED} (random inputs: set it to replay this session)"
+
+
 @pytest.fixture
 def rng(request) -> np.random.Generator:
-    """Fresh random inputs per test, reproducible from the test id."""
-    seed = abs(hash(request.node.nodeid)) % (2**32)
+    """Fresh random inputs per session and test, replayed by TEST_SEED (header)."""
+    seed = [SESSION_SEED, zlib.crc32(request.node.nodeid.encode())]
+    request.node.user_properties.append(("TEST_SEED", SESSION_SEED))
     return np.random.default_rng(seed)
+
+
+def pytest_runtest_makereport(item, call):
+    if call.excinfo is not None and "rng" in getattr(item, "fixturenames", ()):
+        item.add_report_section(call.when, "seed", f"replay with TEST_SEED={SESSION_SEED}")
 
 
 @pytest.fixture(autouse=True)
