@@ -3,6 +3,7 @@
 # $OUT (or ./device-out). Each stage has its own time limit so the whole fits one call.
 #   bash scripts/device_run.sh [stages...]   stages: build ops ops-off gen cache attn generate profile san pytests
 #     prefill-profile failsafe vmm-san soak serving prefill-bench serve serve-prefix serve-http issue20
+#     engine-step
 # GEN_MODELS, GEN_BATCH, GEN_TOKENS, GEN_IMPLS, GEN_TIMEOUT set bench/generate.py's run.
 # ATTN_ARGS passes options to bench/attention.py (e.g. "--decode-kernel auto,simt"), ATTN_TIMEOUT
 # its time limit in seconds (200); PROF_ARGS / PROF_TIMEOUT the same for bench/step_profile.py;
@@ -105,6 +106,10 @@ for s in $STAGES; do
         --engines ${SERVE_ENGINES:-jax_kv,dense,static} --dense-slots ${SERVE_DENSE_SLOTS:-24} \
         --static-requests ${SERVE_STATIC:-64} --out "$OUT" 2>&1 \
         | grep -v -E "^\s*$|WARNING|gpu_hlo_schedule|rematerialization" | tee "$OUT/serve.log" | tail -30 ;;
+    engine-step)
+      stage "bench/engine_step.py: the Engine's decode step taken apart, against the Generator's"
+      timeout -k 10 ${ESTEP_TIMEOUT:-240} python3 bench/engine_step.py --out "$OUT" ${ESTEP_ARGS:-} 2>&1 \
+        | grep -v -E "^\s*$|WARNING|gpu_hlo_schedule|rematerialization" | tee "$OUT/engine_step.log" | tail -12 ;;
     serve-prefix)
       stage "bench/serve.py, shared-prefix workload"
       timeout -k 10 ${SERVE_TIMEOUT:-300} python3 bench/serve.py --model ${SERVE_MODEL:-llama-3-8b} \
