@@ -47,7 +47,10 @@ def main() -> None:
     )  # fmt: skip
     model = jm.random_model(config, seed=0, dtype=jnp.bfloat16)
     t0 = time.perf_counter()
-    arena = host_arena(reserve_bytes=20 << 30, granule=64 << 10)
+    # The slots' ranges (64 bindings of 32k 64-byte tokens each) and as much again for the
+    # prefix store.
+    arena = host_arena(reserve_bytes=max(20 << 30, args.slots * 64 * 32768 * 64 * 5 // 2),
+                       granule=64 << 10)  # fmt: skip
     eng = Engine(model, max_slots=args.slots, max_len=32768, prefill_chunk_tokens=512,
                  arena=arena, prefix_cache=not args.no_prefix)  # fmt: skip
     print(f"engine built in {time.perf_counter() - t0:.2f} s", flush=True)

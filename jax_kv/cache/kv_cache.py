@@ -144,8 +144,11 @@ class KvCache:
         try:
             self.growth.start(self, n0)
             self._sync_committed()
-        except BaseException:
-            self.close()
+        except BaseException as error:
+            try:
+                self.close()
+            except Exception as close_error:  # the cause is what the caller must see
+                error.add_note(f"and closing the partly built KvCache failed: {close_error}")
             raise
 
     # -- geometry and accounting ---------------------------------------------------------

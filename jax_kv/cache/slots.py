@@ -150,8 +150,11 @@ class SlotCache:
         self.committed: jax.Array | None = None
         try:
             self._start()
-        except BaseException:
-            self.close()
+        except BaseException as error:
+            try:
+                self.close()
+            except Exception as close_error:  # the cause is what the caller must see
+                error.add_note(f"and closing the partly built SlotCache failed: {close_error}")
             raise
         dense = self.bindings * self.num_slots * self.slot_bytes
         if budget_bytes is None:
@@ -171,24 +174,27 @@ class SlotCache:
 
     def _start(self) -> None:
         if self.is_vmm:
+            # Every region first, the views last: a refusal (address space, memory) then leaves
+            # no exported view behind, and each view is on self.k / self.v, where close()
+            # deletes it, the moment it exists.
             for _ in range(self.bindings):
                 self.regions.append(self._allocate(self.num_slots * self.slot_bytes))
+            block_bytes = self.block_tokens * self.token_bytes
+            for _ in range(self.bindings if self.store_blocks else 0):
+                self.store.append(self._allocate(self.store_blocks * block_bytes))
             self._control = self._allocate(self.num_slots * 4, replicated=True)
             self._control.commit(self.num_slots * 4)
             self._control.write(0, np.zeros((self.num_slots,), np.int32).tobytes())
             # Its address (held by a recorded CUDA graph) never changes: the host rewrites it.
             self.committed = self._control.export((self.num_slots,), jnp.int32)
-            arrays = [r.export(self.shape, self.dtype) for r in self.regions]
-            block_bytes = self.block_tokens * self.token_bytes
-            for _ in range(self.bindings if self.store_blocks else 0):
-                self.store.append(self._allocate(self.store_blocks * block_bytes))
+            for i, r in enumerate(self.regions):
+                (self.k if i < self.num_layers else self.v).append(r.export(self.shape, self.dtype))
         else:
             sharding = cache_sharding(self.mesh, self.layout)
-            arrays = [
-                self.arena.zeros(self.shape, self.dtype, sharding) for _ in range(self.bindings)
-            ]
+            for i in range(self.bindings):
+                array = self.arena.zeros(self.shape, self.dtype, sharding)
+                (self.k if i < self.num_layers else self.v).append(array)
             self._write_committed()
-        self.k, self.v = arrays[: self.num_layers], arrays[self.num_layers :]
 
     def close(self) -> None:
         """Drops the arrays and frees the memory. Idempotent."""

@@ -173,3 +173,24 @@ def test_invariant_over_a_random_schedule(arena):
             assert (cache.committed_tokens() >= cache.lengths).all()
             if cache.is_vmm:
                 assert cache.committed_bytes == cache.held_bytes
+
+
+def test_a_refused_construction_raises_its_cause_and_leaves_the_arena_as_it_was():
+    """The prefix store's address space runs out after the slots' regions were allocated: the
+    caller sees ArenaExhausted, not a cleanup error, and the arena holds no region, view or
+    committed byte of the cache (the slots' views had been exported before the store was
+    allocated and were unknown to close(): 'N view(s) still live' replaced the cause)."""
+    arena = host_arena(reserve_bytes=64 << 20, granule=64 << 10)
+    try:
+        probe = dict(num_layers=L, num_slots=B, num_kv_heads=2, head_dim=D, dtype=jnp.float32,
+                     arena=arena)  # fmt: skip
+        # 4 slots x 4096 tokens x 512 B x 4 bindings = 32 MiB of slots; the store as much again.
+        with pytest.raises(ArenaExhausted, match="address space"):
+            SlotCache(max_len=4096, prefix_store=True, **probe)
+        s = arena.stats()
+        assert (s.regions, s.live_views, s.committed_bytes) == (0, 0, 0)
+        with SlotCache(max_len=4096, **probe) as cache:  # the same without a store fits
+            cache.ensure_slot(0, 1)
+    finally:
+        gc.collect()
+        arena.close()
