@@ -241,3 +241,33 @@ def test_generator_under_a_one_device_mesh_keeps_its_step_and_tokens(model, rng)
     assert arena.committed_bytes == 0
     arena.close()
     plain.close()
+
+
+def test_decode_steps_replay_the_recorded_graph(model, rng):
+    """The engine's decode step is one compiled program for its life; on the GPU it should also
+    be one recorded CUDA graph, replayed without the FFI handlers' host code (as the Generator's
+    is, tests/decode/test_generator_gpu.py). Its per-step inputs (tokens, lengths) come from
+    NumPy each step: if XLA sees new argument addresses and re-records, the handlers' host
+    calls show it, and this fails with the list."""
+    from jax_kv import _ffi
+    from jax_kv.memory import VmmArena
+
+    cuda = _ffi.cuda_module()
+    arena = VmmArena(pool_bytes=0)
+    eng = Engine(model, max_slots=4, max_len=MAX_LEN, arena=arena, prefix_cache=False)
+    try:
+        reqs = [eng.submit(p, 60, stop_token_ids=[]) for p in prompts(rng, model, [50] * 4)]
+        while not all(r.streamed for r in reqs):
+            eng.step()
+        calls = []
+        for _ in range(30):
+            before = sum(cuda.host_calls().values())
+            eng.step()
+            assert eng.last_step.decode_rows == 4 and eng.last_step.prefill_tokens == 0
+            calls.append(sum(cuda.host_calls().values()) - before)
+        print(f"\nengine decode steps, handler host calls per step: {calls}")
+        warm = next((i for i, c in enumerate(calls) if c == 0), len(calls))
+        assert warm <= 8 and not any(calls[warm:]), calls
+    finally:
+        eng.close()
+        arena.close()
