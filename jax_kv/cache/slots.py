@@ -137,8 +137,13 @@ class SlotCache:
         self.block_granules = step_tokens * self.token_bytes // self.granule
         if prefix_store and not self.is_vmm:
             raise ValueError("prefix_store: the prefix store needs a VmmArena (shared granules)")
-        # Virtual space only: a block costs memory while it is cached.
-        self.store_blocks = self.num_slots * self.slot_tokens // step_tokens if prefix_store else 0
+        # Virtual space only: a block costs memory while it is cached, so the store needs no
+        # more blocks than the arena's memory could back (256 slots of 32k tokens at 8B: 1 TiB
+        # of slots, a store as large would not fit the H100's 1.28 TB reservation).
+        self.store_blocks = 0
+        if prefix_store:
+            backed = self.arena.capacity_bytes // (self.bindings * step_tokens * self.token_bytes)
+            self.store_blocks = min(self.num_slots * self.slot_tokens // step_tokens, backed)
         self.store: list[Region] = []
         self._store_free = list(range(self.store_blocks - 1, -1, -1))
         self.store_owner: dict[int, tuple[int, int]] = {}  # store block -> (slot, block) it maps

@@ -73,6 +73,7 @@ class CudaDriver:
             cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate"
         )
         self.total_memory = int(self._check(cu.cuDeviceTotalMem(self._dev), "cuDeviceTotalMem"))
+        self.capacity_bytes = self.total_memory  # the most physical memory handles can hold
 
     def _check(self, result: Any, what: str) -> Any:
         err, *values = result if isinstance(result, tuple) else (result,)
@@ -190,6 +191,7 @@ class HostDriver:
         self.granule = granule
         self.total_memory = total_memory
         self.limit_bytes = total_memory if limit_bytes is None else limit_bytes
+        self.capacity_bytes = self.limit_bytes
         self.max_reserve_bytes = max_reserve_bytes
         self.device_id = 0
         self._libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)

@@ -466,6 +466,13 @@ class VmmArena:
         return len(self._views)
 
     @property
+    def capacity_bytes(self) -> int:
+        """The most physical memory this arena could ever hold: the device's (the host
+        driver's limit), or limit_bytes. Address space past it can never be backed."""
+        driver = self._state.driver.capacity_bytes
+        return driver if self.limit_bytes is None else min(driver, self.limit_bytes)
+
+    @property
     def free_va_bytes(self) -> int:
         return sum(size for _, size in self._free_va)
 

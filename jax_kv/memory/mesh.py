@@ -136,6 +136,11 @@ class MeshArena:
         return self.arenas[0].driver
 
     @property
+    def capacity_bytes(self) -> int:
+        """Global bytes: every device's VmmArena.capacity_bytes together."""
+        return sum(a.capacity_bytes for a in self.arenas)
+
+    @property
     def closed(self) -> bool:
         return all(a.closed for a in self.arenas)
 

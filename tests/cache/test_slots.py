@@ -194,3 +194,23 @@ def test_a_refused_construction_raises_its_cause_and_leaves_the_arena_as_it_was(
     finally:
         gc.collect()
         arena.close()
+
+
+def test_the_prefix_store_is_no_larger_than_the_memory_that_could_back_it():
+    """The store is address space for cached blocks, and a cached block is physical memory: it
+    never needs more blocks than the arena's capacity holds (at 256 slots of 32k tokens of an
+    8B model, a store as large as the slots would not fit the H100's reservation)."""
+    arena = host_arena(reserve_bytes=1 << 30, granule=64 << 10, limit_bytes=8 << 20)
+    try:
+        kw = dict(num_layers=L, num_slots=B, num_kv_heads=2, head_dim=D, dtype=jnp.float32,
+                  max_len=4096, arena=arena)  # fmt: skip
+        with SlotCache(prefix_store=True, **kw) as cache:
+            per_block = cache.bindings * cache.block_tokens * cache.token_bytes
+            assert arena.capacity_bytes == 8 << 20
+            assert cache.store_blocks == (8 << 20) // per_block < B * 4096 // cache.block_tokens
+            assert sum(r.reserved_bytes for r in cache.store) == cache.store_blocks * per_block
+        with SlotCache(prefix_store=True, **(kw | {"max_len": 256})) as small:
+            assert small.store_blocks == B * small.slot_tokens // small.block_tokens  # uncapped
+    finally:
+        gc.collect()
+        arena.close()
