@@ -153,6 +153,14 @@ class SlotCache:
         self.k: list[jax.Array] = []
         self.v: list[jax.Array] = []
         self.committed: jax.Array | None = None
+        # Arguments before any memory: a refusal then leaves nothing to free.
+        if budget_bytes is None:
+            dense = self.bindings * self.num_slots * self.slot_bytes
+            self.budget_bytes = None if self.is_vmm else dense
+        else:
+            if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
+                raise ValueError(f"budget_bytes: expected an int or None, got {budget_bytes!r}")
+            self.budget_bytes = int(budget_bytes)
         try:
             self._start()
         except BaseException as error:
@@ -161,13 +169,6 @@ class SlotCache:
             except Exception as close_error:  # the cause is what the caller must see
                 error.add_note(f"and closing the partly built SlotCache failed: {close_error}")
             raise
-        dense = self.bindings * self.num_slots * self.slot_bytes
-        if budget_bytes is None:
-            self.budget_bytes = None if self.is_vmm else dense
-        else:
-            if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
-                raise ValueError(f"budget_bytes: expected an int or None, got {budget_bytes!r}")
-            self.budget_bytes = int(budget_bytes)
 
     # -- construction and teardown -------------------------------------------------------------
 
@@ -220,7 +221,11 @@ class SlotCache:
         arrays.clear()
         if self.is_vmm:
             regions = [*self.regions, *self.store, *([self._control] if self._control else [])]
-            self.arena.wait_unviewed(regions)
+            try:
+                self.arena.wait_unviewed(regions)
+            except BaseException:
+                self.closed = False  # e.g. a view still referenced: drop it and close again
+                raise
             for r in regions:
                 r.free()
             self.regions, self.store, self._control = [], [], None

@@ -468,13 +468,21 @@ class Engine:
             for j in range(-(-real // longest)):
                 size = min(longest, real - j * longest)
                 # Prompts that share no block (the prefix cache would shorten their prefill).
-                self.submit([(n + 131 * j + i) % vocab for i in range(size)], 1,
-                            stop_token_ids=[])  # fmt: skip
+                self._warm_submit([(n + 131 * j + i) % vocab for i in range(size)], 1)
             self.run_until_idle()
             n *= 2
+        size = max(1, min(20, self.max_len - 3))
         for j in range(min(4, self.max_slots)):  # a packed call of several rows, a wide decode
-            self.submit([1 + j] * min(20, self.max_len - 3), 3, stop_token_ids=[])
+            self._warm_submit([1 + j] * size, min(3, self.max_len - size))
         self.run_until_idle()
+
+    def _warm_submit(self, prompt: list[int], max_new: int) -> None:
+        """submit() for warm_up: within the engine's own max_queue (steps until there is
+        room), and refused with EngineError once shutdown() began (a server stopped while it
+        compiles: warm_up then ends at its next request)."""
+        while self.num_waiting >= self.max_queue:
+            self.step()
+        self.submit(prompt, max_new, stop_token_ids=[])
 
     def run_until_idle(self, max_steps: int | None = None) -> None:
         """Steps until every submitted request finished (tests, offline use)."""
@@ -857,9 +865,12 @@ class Engine:
     # -- the background driver ------------------------------------------------------------
 
     def start(self) -> None:
-        """Runs step() on a background thread while there is work (the server's driver)."""
+        """Runs step() on a background thread while there is work (the server's driver).
+        Refused after shutdown() or a failure: nothing would be accepted for it to run."""
         if self._thread is not None:
             return
+        if not self.accepting:
+            raise EngineError("start: the engine was shut down or failed")
         self._stop_thread = False
         self._thread = threading.Thread(target=self._drive, name="jax_kv-engine", daemon=True)
         self._thread.start()
@@ -909,9 +920,12 @@ class Engine:
         self._thread = None
 
     def close(self) -> None:
-        """Shuts down without draining and frees the cache."""
-        self.shutdown(drain=False)
-        self.cache.close()
+        """Shuts down without draining and frees the cache (also when the last step, which
+        ends the cancelled requests, raises)."""
+        try:
+            self.shutdown(drain=False)
+        finally:
+            self.cache.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -110,6 +110,7 @@ class CommitReport:
     map_calls: int
     set_access_calls: int
     seconds: float
+    mapped: tuple[int, ...] = ()  # granules it mapped (arena numbering), for undo_commit
 
 
 def reservation_ladder(total_memory: int, granule: int) -> list[int]:
@@ -981,7 +982,19 @@ class VmmArena:
                 self._count_granule(index, +1)
             seconds = time.perf_counter() - t0
             self._commit_seconds += seconds
-            return CommitReport(len(missing), len(missing), len(runs), seconds)
+            return CommitReport(len(missing), len(missing), len(runs), seconds, tuple(missing))
+
+    def undo_commit(self, report: CommitReport) -> int:
+        """Unmaps the granules `report`'s commit mapped (those still mapped), as decommit_now
+        does; returns the bytes unmapped. A commit's byte ranges need not be granule-aligned
+        (a token range), and the granule holding their start may have been committed before:
+        undoing by range would unmap live data, undoing by report cannot."""
+        with self._lock:
+            self._check_open()
+            todo = sorted(i for i in report.mapped if i in self._state.mapped)
+            if todo:
+                self._unmap_granules(todo)
+            return len(todo) * self.granule
 
     def _queue_decommit(self, indices: Iterable[int]) -> int:
         with self._lock:

@@ -145,8 +145,16 @@ class MeshArena:
         return all(a.closed for a in self.arenas)
 
     def close(self) -> None:
+        """Closes every device's arena, also past one that fails; raises the failures
+        together (as VmmArena.close does its steps)."""
+        errors = []
         for a in self.arenas:
-            a.close()
+            try:
+                a.close()
+            except Exception as e:  # noqa: BLE001 - collected, raised below
+                errors.append(f"{a.device}: {e}")
+        if errors:
+            raise ArenaError("MeshArena.close: " + "; ".join(errors))
 
     # -- regions -------------------------------------------------------------------------------
 
@@ -174,14 +182,18 @@ class MeshArena:
 
     def commit(self, ranges: Iterable[tuple[MeshRegion, int, int]]) -> CommitReport:
         """Commits the ranges on every device or on none."""
-        per, done, reports = self._per_arena(ranges), [], []
+        per, reports = self._per_arena(ranges), []
         try:
             for arena, local in zip(self.arenas, per, strict=True):
                 reports.append(arena.commit(local))
-                done.append((arena, local))
-        except BaseException:
-            for arena, local in done:
-                arena.decommit_now(local)
+        except BaseException as error:
+            # By the granules each device mapped: the ranges are token ranges, not
+            # granule-aligned, and decommit_now would refuse them (or unmap live data).
+            for arena, report in zip(self.arenas, reports, strict=False):
+                try:
+                    arena.undo_commit(report)
+                except Exception as undo_error:  # the refusal is what the caller must see
+                    error.add_note(f"and undoing {arena.device}'s commit failed: {undo_error}")
             raise
         return _sum_reports(reports)
 

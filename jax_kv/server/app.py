@@ -8,10 +8,11 @@ import asyncio
 import contextlib
 import json
 import secrets
+import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -46,21 +47,42 @@ class ServerState:
         self.api_key, self.max_body_bytes = api_key, max_body_bytes
         self.ready = threading.Event()
         self.draining = False
+        self.failure: BaseException | None = None  # the warm-up's, if it failed
+        self.on_failure: Callable[[], None] | None = None  # main.run: stop the server
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine)
+        self._warming: threading.Thread | None = None
 
     def start(self, warm_up: bool = True) -> threading.Thread:
-        """Warms the engine up and starts its driver on a thread; `ready` is set after."""
+        """Warms the engine up and starts its driver on a thread; `ready` is set after. A
+        failure is kept (`failure`: /health and every request say so) and reported, not
+        left to the thread; a shutdown while it compiles ends it without a driver."""
 
         def run() -> None:
-            if warm_up:
-                self.engine.warm_up()
-            self.engine.start()
+            try:
+                if warm_up:
+                    self.engine.warm_up()
+                self.engine.start()
+            except BaseException as error:  # noqa: BLE001 - kept and reported
+                if self.draining:
+                    return  # stopped while compiling: the refusal is the shutdown's
+                self.failure = error
+                print(f"jax_kv: the engine failed to warm up: {type(error).__name__}: {error}",
+                      file=sys.stderr)  # fmt: skip
+                if self.on_failure is not None:
+                    self.on_failure()
+                return
             self.ready.set()
 
-        thread = threading.Thread(target=run, name="jax_kv-warm-up", daemon=True)
-        thread.start()
-        return thread
+        self._warming = threading.Thread(target=run, name="jax_kv-warm-up", daemon=True)
+        self._warming.start()
+        return self._warming
+
+    def join_warm_up(self) -> None:
+        """Waits for the warm-up thread (a shutdown while it compiles waits for its current
+        step: the engine then has one user again)."""
+        if self._warming is not None:
+            self._warming.join()
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -93,6 +115,9 @@ def _check_access(state: ServerState, request: HttpRequest) -> None:
 
 
 def _check_serving(state: ServerState) -> None:
+    if state.failure is not None:
+        raise APIError(500, f"the engine failed to warm up: {state.failure}",
+                       type="server_error", code="engine_failed")  # fmt: skip
     if state.draining or not state.engine.accepting:
         raise APIError(503, "the server is shutting down", type="server_error", code="draining")
     if not state.ready.is_set():
@@ -248,6 +273,8 @@ def create_app(
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(http: HttpRequest) -> Response:
+        if state.failure is not None:
+            return JSONResponse({"status": "failed", "error": str(state.failure)}, status_code=500)
         if state.draining or not state.engine.accepting:
             return JSONResponse({"status": "draining"}, status_code=503)
         if not state.ready.is_set():
@@ -264,6 +291,7 @@ def create_app(
         yield
         state.draining = True
         await asyncio.to_thread(state.engine.shutdown, True, DRAIN_TIMEOUT_S)
+        await asyncio.to_thread(state.join_warm_up)
 
     app = Starlette(
         routes=[

@@ -52,6 +52,8 @@ def run(
         timeout_graceful_shutdown=int(DRAIN_TIMEOUT_S),
     )  # fmt: skip
     server = _Server(config, app.state.jax_kv)
+    state = app.state.jax_kv
+    state.on_failure = lambda: setattr(server, "should_exit", True)  # exit 1, below
     print(
         f"jax_kv: serving {model_name!r} on http://{host}:{port}/v1 ({max_slots} slots, "
         f"max_len {engine.max_len}, tp {tp}); /health answers 200 once warmed up",
@@ -66,4 +68,4 @@ def run(
         server.run()
     finally:
         engine.close()
-    return 0
+    return 1 if state.failure is not None else 0

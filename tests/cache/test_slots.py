@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jax_kv.cache import CapacityError, SlotCache
-from jax_kv.memory import ArenaExhausted, host_arena
+from jax_kv.memory import ArenaError, ArenaExhausted, host_arena
 
 L, B, D = 2, 4, 64
 
@@ -211,6 +211,51 @@ def test_the_prefix_store_is_no_larger_than_the_memory_that_could_back_it():
             assert sum(r.reserved_bytes for r in cache.store) == cache.store_blocks * per_block
         with SlotCache(prefix_store=True, **(kw | {"max_len": 256})) as small:
             assert small.store_blocks == B * small.slot_tokens // small.block_tokens  # uncapped
+    finally:
+        gc.collect()
+        arena.close()
+
+
+def footprint(arena):
+    s = arena.stats()
+    return (s.regions, s.live_views, s.committed_bytes, s.handles_live)
+
+
+def test_a_refused_budget_leaves_the_arena_as_it_was():
+    """budget_bytes is checked before any memory is taken (it was checked after the regions
+    and the committed control region existed, outside the cleanup)."""
+    arena = host_arena(reserve_bytes=64 << 20, granule=64 << 10)
+    try:
+        before = footprint(arena)
+        with pytest.raises(ValueError, match="budget_bytes: expected an int or None, got 1.5"):
+            make(arena, budget_bytes=1.5)
+        assert footprint(arena) == before
+    finally:
+        gc.collect()
+        arena.close()
+
+
+def test_a_refused_close_can_be_retried():
+    """As KvCache's (tests/cache/test_closed.py): a close the arena refuses (a view still
+    referenced) leaves the cache closable again, and the retry frees the regions (it was a
+    no-op: `closed` was set before the wait)."""
+    arena = host_arena(reserve_bytes=64 << 20, granule=64 << 10)
+    try:
+        before = footprint(arena)
+        cache = make(arena)
+        real, calls = arena.wait_unviewed, []
+
+        def refuse_once(regions, timeout=5.0):
+            calls.append(1)
+            if len(calls) == 1:
+                raise ArenaError("1 view(s) still live after 5.0 s")
+            real(regions, timeout)
+
+        arena.wait_unviewed = refuse_once
+        with pytest.raises(ArenaError, match="still live"):
+            cache.close()
+        cache.close()
+        assert footprint(arena) == before
     finally:
         gc.collect()
         arena.close()

@@ -324,3 +324,49 @@ def test_after_warm_up_no_request_waits_for_a_compile(model, rng, max_len, chunk
         assert (eng.stats.prefill_compiles, eng.stats.decode_compiles) == before, (
             eng.stats.prefill_buckets
         )
+
+
+def test_close_frees_the_cache_when_its_last_step_fails(model):
+    """close() runs a last step (ending the cancelled requests) and then frees the cache; when
+    that step raises (a request's listener, as the server's call_soon_threadsafe on a closed
+    event loop does), the cache is freed all the same and the step's error propagates."""
+    arena = host_arena(reserve_bytes=256 << 20, granule=16 * token_bytes(model))
+    try:
+        eng = Engine(model, arena=arena, max_slots=2, max_len=64, prefill_chunk_tokens=16)
+        r = eng.submit([1, 2, 3], 4)
+
+        def closed_loop():
+            raise RuntimeError("Event loop is closed")
+
+        r.add_listener(closed_loop)
+        with pytest.raises(RuntimeError, match="Event loop is closed"):
+            eng.close()
+        assert eng.cache.closed
+        s = arena.stats()
+        assert (s.regions, s.live_views, s.committed_bytes) == (0, 0, 0)
+    finally:
+        arena.close()
+
+
+@pytest.mark.parametrize("max_len, max_queue", [(8, 2), (2, 1024), (3, 1)])
+def test_warm_up_fits_any_geometry_the_engine_accepts(model, max_len, max_queue):
+    """warm_up submits several prompts per bucket and a last batch of min(4, max_slots): it
+    stays within the engine's own max_queue (it used to raise QueueFull with its requests left
+    queued), and at the smallest max_len accepted (2) its prompts are not empty."""
+    eng = Engine(model, arena=EagerArena(), max_slots=4, max_len=max_len,
+                 prefill_chunk_tokens=16, max_queue=max_queue)  # fmt: skip
+    try:
+        eng.warm_up()
+        assert eng.num_waiting == 0 and not eng.has_work()
+        # At max_len 2 no request decodes (1 prompt token + its first, from prefill).
+        assert eng.stats.decode_compiles == (max_len > 2)
+    finally:
+        eng.close()
+
+
+def test_start_is_refused_after_shutdown(model):
+    eng = Engine(model, arena=EagerArena(), max_slots=2, max_len=64)
+    eng.shutdown()
+    with pytest.raises(EngineError, match="start: the engine was shut down"):
+        eng.start()
+    eng.close()

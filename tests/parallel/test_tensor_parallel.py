@@ -25,7 +25,7 @@ from jax_kv.cache import KvCache
 from jax_kv.decode import Generator
 from jax_kv.engine import Engine
 from jax_kv.layout import Layout
-from jax_kv.memory import EagerArena, MeshArena, host_arena
+from jax_kv.memory import ArenaError, ArenaExhausted, EagerArena, MeshArena, host_arena
 from jax_kv.models import llama
 from jax_kv.ops import gqa_decode, gqa_prefill, gqa_prefill_packed
 from jax_kv.parallel import cache_sharding, head_sharded, shard_params, tp_mesh
@@ -331,3 +331,43 @@ def test_kv_cache_on_a_mesh_arena_grows_on_every_device_and_keeps_the_step(tp):
                 layout=Layout.HEAD_MAJOR, max_len=256, mesh=mesh)  # fmt: skip
     assert arena.committed_bytes == 0
     arena.close()
+
+
+def test_a_growth_one_device_refuses_raises_its_cause_and_rolls_back():
+    """Device 1 has no memory for a growth device 0 already committed: the caller sees
+    ArenaExhausted and device 0 gives back what it mapped. The rollback used to decommit the
+    same byte ranges, which for a seq-major cache are token ranges, not granule-aligned: its
+    own ArenaError replaced the cause and device 0 kept the granules."""
+    mesh = tp_mesh(2)
+    d0, d1 = mesh.devices.flat
+    g = 64 << 10
+    a0 = host_arena(reserve_bytes=64 << 20, granule=g, device=d0)
+    a1 = host_arena(reserve_bytes=64 << 20, granule=g, device=d1, limit_bytes=8 * g)
+    arena = MeshArena(mesh, arenas=[a0, a1])
+    cache = KvCache(
+        num_layers=1, batch=1, num_kv_heads=2, head_dim=64, dtype=jnp.float32, arena=arena,
+        mesh=mesh, max_len=4096, min_bucket=16, commit_ahead=16,
+    )  # fmt: skip
+    try:
+        before = [a0.committed_bytes, a1.committed_bytes]
+        with pytest.raises(ArenaExhausted):
+            cache.ensure_capacity(4096)
+        assert cache.capacity == 16
+        assert [a0.committed_bytes, a1.committed_bytes] == before
+    finally:
+        cache.close()
+        arena.close()
+
+
+def test_mesh_arena_close_closes_every_arena_when_one_fails():
+    """As VmmArena.close does its steps: every device's arena is closed, also past one that
+    fails, and the failures are raised together (it stopped at the first)."""
+    mesh = tp_mesh(2)
+    d0, d1 = mesh.devices.flat
+    a0 = host_arena(reserve_bytes=64 << 20, device=d0)
+    a1 = host_arena(reserve_bytes=64 << 20, device=d1)
+    arena = MeshArena(mesh, arenas=[a0, a1])
+    a0.driver.inject_failure("release")  # device 0's teardown cannot release a handle
+    with pytest.raises(ArenaError, match="MeshArena.close: .*injected release failure"):
+        arena.close()
+    assert a0.closed and a1.closed and a1.stats().handles_live == 0

@@ -96,8 +96,9 @@ def wait_ready(base: str, timeout: float, alive=lambda: True) -> None:
 
 
 @contextlib.contextmanager
-def running(app):
-    """Serves `app` with uvicorn on a thread; yields the base URL once /health is 200."""
+def running(app, ready=True):
+    """Serves `app` with uvicorn on a thread; yields the base URL once /health is 200 (with
+    ready=False: once it answers at all)."""
     import uvicorn
 
     port = free_port()
@@ -105,12 +106,27 @@ def running(app):
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    wait_ready(base, 120)
+    if ready:
+        wait_ready(base, 120)
+    else:
+        wait_answering(base, 60)
     try:
         yield base
     finally:
         server.should_exit = True
         thread.join(60)
+
+
+def wait_answering(base: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            get(f"{base}/health", timeout=1)
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def make_engine(model, **kw):

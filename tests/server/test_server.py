@@ -245,3 +245,53 @@ def test_metrics_count_prefix_hits_on_a_vmm_arena(tiny_model):
     assert first == again
     hits = [ln for ln in text.splitlines() if ln.startswith("jax_kv_prefix_hit_tokens_total")]
     assert hits and float(hits[0].split()[-1]) >= 32, hits
+
+
+def test_a_failed_warm_up_is_reported(tiny_model):
+    """A warm-up that raises (a compile out of memory, say) is not left to its thread: /health
+    says "failed" with the error, every request gets a 500 naming it, and the server is told to
+    stop (python -m jax_kv serve then exits 1). It used to answer "warming up" for ever."""
+    from jax_kv.server import create_app
+
+    engine = make_engine(tiny_model)
+
+    def broken():
+        raise RuntimeError("injected: out of memory while compiling")
+
+    engine.warm_up = broken
+    app = create_app(engine, model_name=MODEL_NAME)
+    stopped = threading.Event()
+    app.state.jax_kv.on_failure = stopped.set
+    try:
+        with running(app, ready=False) as base:
+            assert stopped.wait(10)
+            r = get(f"{base}/health")
+            assert r.status_code == 500 and r.json()["status"] == "failed", r.text
+            assert "injected" in r.json()["error"]
+            body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+            r = request("POST", f"{base}/v1/completions", body)
+            assert r.status_code == 500 and r.json()["error"]["code"] == "engine_failed", r.text
+    finally:
+        engine.close()
+
+
+def test_a_server_stopped_while_it_warms_up_starts_no_driver(tiny_model):
+    """SIGTERM while the engine compiles: the lifespan's exit shuts the engine down and waits
+    for the warm-up thread, which then starts no driver (Engine.start refuses after shutdown);
+    the caller's engine.close() has the engine to itself."""
+    from jax_kv.server import create_app
+
+    engine = make_engine(tiny_model)
+    compiling = threading.Event()
+    engine.warm_up = lambda: compiling.wait(30)  # the compiles, still under way
+    app = create_app(engine, model_name=MODEL_NAME)
+    try:
+        with running(app, ready=False) as base:
+            assert get(f"{base}/health").json()["status"] == "warming up"
+            threading.Timer(0.3, compiling.set).start()  # they finish after the stop began
+        state = app.state.jax_kv
+        assert not state._warming.is_alive() and engine._thread is None  # no driver started
+        assert state.failure is None and not state.ready.is_set()
+    finally:
+        compiling.set()
+        engine.close()
