@@ -328,7 +328,10 @@ class HeadMajorVmmGrowth(_VmmGrowth):
         if live_per_binding:
             if self._scratch is None or self._scratch.reserved_bytes < live_per_binding:
                 if self._scratch is not None:
-                    self._scratch.free()
+                    # Forgotten before the allocation: were it refused, a later growth would
+                    # commit into the freed (perhaps reused) address space.
+                    self._scratch, old_scratch = None, self._scratch
+                    old_scratch.free()
                 self._scratch = arena.allocate(live_per_binding)
             ranges.append((self._scratch, 0, live_per_binding))
         report = self._commit(cache, ranges, n)  # all or nothing: a refusal changes nothing

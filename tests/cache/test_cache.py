@@ -272,3 +272,37 @@ def test_host_vmm_unbounded_reservation_is_bounded():
         cache.ensure_capacity(cache.max_len + 1)
     cache.close()
     arena.close()
+
+
+def test_host_vmm_head_major_refused_scratch_leaves_no_freed_region_behind(rng):
+    """The re-stride's scratch grows with the live tokens: the old one is freed, then the new
+    one allocated. When that allocation is refused, the strategy must not keep the freed region
+    (a later growth freed it again, or committed into address space another region owns)."""
+    arena = host_arena(reserve_bytes=256 << 20, granule=G)
+    cache = make_cache(Layout.HEAD_MAJOR, arena, max_len=4096, min_bucket=16)
+    host_fill(cache, rng)
+    cache.lengths[:] = [10, 5]
+    cache.ensure_capacity(17)  # a scratch for 15 live tokens (one granule: 128 tokens)
+    real = arena.allocate
+
+    def refuse(nbytes):
+        raise ArenaExhausted("injected: no address space for the scratch")
+
+    cache.ensure_capacity(300)
+    cache.lengths[:] = [200, 100]  # 300 live tokens: a scratch of 3 granules
+    arena.allocate = refuse
+    with pytest.raises(ArenaExhausted, match="injected"):
+        cache.ensure_capacity(600)
+    arena.allocate = real
+    cache.lengths[:] = [60, 40]  # 100 live tokens: the freed scratch's size would do
+    regions = arena.stats().regions
+    before = host_live(cache)
+    e = cache.ensure_capacity(600)  # a fresh scratch, not the freed one
+    assert e.bytes_moved == cache.live_bytes and arena.stats().regions == regions + 1
+    after = host_live(cache)
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_array_equal(a, b)
+    gc.collect()
+    cache.close()
+    assert arena.stats().regions == 0
+    arena.close()
