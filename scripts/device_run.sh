@@ -115,7 +115,7 @@ for s in $STAGES; do
       timeout -k 10 ${SERVE_TIMEOUT:-300} python3 bench/serve.py --model ${SERVE_MODEL:-llama-3-8b} \
         --dtype bfloat16 --slots ${SERVE_SLOTS:-64} --max-len ${SERVE_MAX_LEN:-32768} \
         --workload shared-prefix --groups 16 --per-group 16 --engines jax_kv,jax_kv-noprefix \
-        --out "$OUT" 2>&1 | grep -v -E "^\s*$|WARNING|gpu_hlo_schedule|rematerialization" \
+        --rates ${PREFIX_RATES:-inf} --out "$OUT" 2>&1 | grep -v -E "^\s*$|WARNING|gpu_hlo_schedule|rematerialization" \
         | tee "$OUT/serve_prefix.log" | tail -20 ;;
     serve-http)
       stage "bench/serve_http.py"
