@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_kv.cache._lifecycle import closed_on_failure
 from jax_kv.cache.capacity import CapacityError, bucket_for
 from jax_kv.cache.events import GrowthEvent, GrowthReason
 from jax_kv.cache.growth import GrowthStrategy, growth_for
@@ -141,15 +142,9 @@ class KvCache:
         reserved = self.plan.reservation_tokens
         self.max_len: int | None = self.plan.hard_max if reserved is None else reserved
         self._check_hard_max(n0)
-        try:
+        with closed_on_failure(self, "KvCache"):
             self.growth.start(self, n0)
             self._sync_committed()
-        except BaseException as error:
-            try:
-                self.close()
-            except Exception as close_error:  # the cause is what the caller must see
-                error.add_note(f"and closing the partly built KvCache failed: {close_error}")
-            raise
 
     # -- geometry and accounting ---------------------------------------------------------
 

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_kv.cache._lifecycle import closed_on_failure
 from jax_kv.cache.capacity import CapacityError
 from jax_kv.cache.kv_cache import arena_for
 from jax_kv.layout import Layout
@@ -161,14 +162,8 @@ class SlotCache:
             if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
                 raise ValueError(f"budget_bytes: expected an int or None, got {budget_bytes!r}")
             self.budget_bytes = int(budget_bytes)
-        try:
+        with closed_on_failure(self, "SlotCache"):
             self._start()
-        except BaseException as error:
-            try:
-                self.close()
-            except Exception as close_error:  # the cause is what the caller must see
-                error.add_note(f"and closing the partly built SlotCache failed: {close_error}")
-            raise
 
     # -- construction and teardown -------------------------------------------------------------
 
