@@ -248,6 +248,11 @@ class SlotCache:
         """Granules per binding a slot of `tokens` tokens needs."""
         return -(-int(tokens) * self.token_bytes // self.granule)
 
+    @property
+    def block_bytes(self) -> int:
+        """One prefix block over all bindings: what a slot's private copy of one holds."""
+        return self.bindings * self._block_bytes()
+
     def bytes_for(self, tokens: int) -> int:
         """Bytes (all bindings) a slot of `tokens` tokens holds."""
         return self.bindings * self.granules_for(tokens) * self.granule
@@ -432,6 +437,12 @@ class SlotCache:
         by map_cached, or none). Returns the granules copied."""
         if int(self.granules[b]) != k * self.block_granules:
             raise ValueError(f"map_partial: slot {b} must hold exactly {k} blocks")
+        copy = self.block_bytes
+        if copy > self.available_bytes():  # the copy is the slot's own memory: budgeted
+            raise ArenaExhausted(
+                f"map_partial: slot {b}'s copy of block {s} needs {copy} bytes; the slots hold "
+                f"{self.held_bytes} bytes and {self.available_bytes()} more are available"
+            )
         n = self._block_bytes()
         dst = b * self.slot_bytes + k * n
         done: list[tuple[Region, int, int]] = []

@@ -518,6 +518,8 @@ class Engine:
                 seq = self._queue[0]
             b = self._slots.index(None)
             hits, partial = self._lookup(seq)
+            if partial is not None and self.cache.block_bytes > self.cache.available_bytes():
+                partial = None  # its private copy does not fit: its tokens are prefilled
             start = len(hits) * self.cache.block_tokens + (len(partial.tokens) if partial else 0)
             n = min(seq.prefill_target - start, room)
             try:
@@ -531,6 +533,8 @@ class Engine:
                 break  # FIFO: the head waits for memory, and so does everyone behind it
             with self._lock:
                 self._queue.popleft()
+            if self.prefix is not None:
+                self.prefix.count_hits(hits, partial)
             seq.slot, seq.cached, seq.blocks = b, start, hits
             self.cache.lengths[b] = start
             seq.admitted = self._admissions

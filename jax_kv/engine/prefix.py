@@ -61,8 +61,9 @@ class PrefixCache:
 
     def lookup(self, token_at: Callable[[int], int], most: int) -> tuple[list[Block], Block | None]:
         """The longest chain of cached full blocks the first `most` tokens start with, and
-        the longest partial block continuing it within them (or None); marks them used."""
-        self.stats.lookups += 1
+        the longest partial block continuing it within them (or None); marks them used. The
+        stats count them when an admission used them (`count_hits`), not here: a request
+        that waits for memory looks up again each step."""
         chain: list[Block] = []
         bt = self.block_tokens
         for k in range(most // bt):
@@ -82,10 +83,16 @@ class PrefixCache:
                     partial = block
         for block in [*chain, *([partial] if partial else [])]:
             self.by_store.move_to_end(block.store)
-        self.stats.hit_blocks += len(chain)
-        self.stats.hit_tokens += start + (len(partial.tokens) if partial else 0)
-        self.stats.partial_hits += partial is not None
         return chain, partial
+
+    def count_hits(self, chain: list[Block], partial: Block | None) -> None:
+        """Counts one admission's lookup and the blocks it was admitted with."""
+        self.stats.lookups += 1
+        self.stats.hit_blocks += len(chain)
+        self.stats.hit_tokens += len(chain) * self.block_tokens + (
+            len(partial.tokens) if partial else 0
+        )
+        self.stats.partial_hits += partial is not None
 
     def insert(self, slot: int, k: int, parent: Block | None, tokens: tuple[int, ...]) -> Block:
         """Caches block k of `slot` (its own, written), child of `parent`; returns the block

@@ -220,3 +220,64 @@ def test_a_chat_turn_continues_the_previous_partial_block_by_copy_on_write(
             message = [int(t) for t in rng.integers(3, vocab, 5)]
             history = history + c.tokens + message
         assert eng.prefix.stats.partial_hits == 3
+
+
+def test_a_partial_block_copy_that_would_pass_the_budget_is_prefilled_instead(
+    model, generator, arenas
+):
+    """A chat continuation's partial block is a private copy (a block of new granules per
+    binding): it counts against kv_budget_bytes like any commit. A (20 tokens + 3) ends with 2
+    cached blocks; B then fills the budget (5 blocks); C continues A's chat. Its copy would make
+    6 blocks held, so C prefills those tokens instead (the copy skipped: no partial hit); the
+    budget holds after every step and the tokens equal Generator alone. (Found by randomized
+    schedules: the copy was never checked, and C's first piece fitted the copied granule.)"""
+    bindings = 2 * model.config.num_layers
+    block = BLOCK * 512 * bindings
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    a_prompt = [int(t) for t in rng.integers(3, vocab, 20)]
+    b_prompt = [int(t) for t in rng.integers(3, vocab, 40)]
+    with engine(model, arenas(), max_slots=2, kv_budget_bytes=5 * block) as eng:
+        a = eng.submit(a_prompt, 3, stop_token_ids=[])
+        eng.run_until_idle()
+        assert eng.cache.cached_only_bytes == 2 * block
+        b = eng.submit(b_prompt, 8, stop_token_ids=[])
+        eng.step()
+        assert eng.cache.held_bytes == 5 * block
+        c_prompt = a_prompt + a.result().tokens + [7]
+        c = eng.submit(c_prompt, 4, stop_token_ids=[])
+        while eng.has_work():
+            eng.step()
+            eng.check_memory()
+            assert eng.cache.held_bytes <= 5 * block
+        assert eng.prefix.stats.partial_hits == 0
+        for r, p, n in ((b, b_prompt, 8), (c, c_prompt, 4)):
+            assert r.result().tokens == generator.generate([p], n, stop_tokens=[]).tokens[0]
+
+
+def test_hits_count_only_what_an_admission_used(model, arenas):
+    """hit_tokens are prompt tokens the cache spared the prefill: with no preemption, every
+    prompt token is prefilled or spared once. C starts with A's 2 cached blocks but waits for
+    memory behind B, and A's blocks are evicted meanwhile: C prefills all its tokens. The
+    lookups of the steps it waited were counted as hits (768 tokens spared of 0)."""
+    bindings = 2 * model.config.num_layers
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    a_prompt = [int(t) for t in rng.integers(3, vocab, 32)]
+    b_prompt = [int(t) for t in rng.integers(3, vocab, 40)]
+    c_prompt = a_prompt + list(range(3, 40))
+    budget = 6 * BLOCK * 512 * bindings
+    with engine(model, arenas(), max_slots=2, kv_budget_bytes=budget) as eng:
+        eng.submit(a_prompt, 1, stop_token_ids=[])
+        eng.run_until_idle()
+        eng.submit(b_prompt, 40, stop_token_ids=[])
+        eng.step()
+        eng.submit(c_prompt, 5, stop_token_ids=[])
+        while eng.has_work():
+            eng.step()
+            eng.check_memory()
+        assert eng.stats.preemptions == 0
+        prompts = len(a_prompt) + len(b_prompt) + len(c_prompt)
+        s = eng.prefix.stats
+        assert eng.stats.prefill_tokens + s.hit_tokens == prompts, s
+        assert s.lookups == 3  # one per admission
