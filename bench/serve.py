@@ -64,12 +64,19 @@ class Heartbeat:
         self.finished0 = sum(eng.stats.finished.values())
         self.steps0, self.decode0 = eng.stats.steps, eng.stats.decode_tokens
 
-    def __call__(self, now: float, submitted: int, steps: list, host: list) -> None:
+    def __call__(
+        self, now: float, submitted: int, steps: list, host: list, host_calls: list
+    ) -> None:
         if now < self.next:
             return
         self.next = now + self.every
         s, k = self.eng.stats, min(len(steps), 50)
         recent = f"{np.mean(steps[-k:]) * 1e3:.1f} ms/step ({np.mean(host[-k:]) * 1e3:.1f} host)"
+        if host_calls:  # a run cut short by its limit still shows whether the graph replays
+            last = host_calls[-50:]
+            recent += (
+                f", graph re-recorded in {sum(1 for c in last if c)} of {len(last)} decode steps"
+            )
         print(
             f"  [{now:.0f} s] submitted {submitted}/{self.n}, running {self.eng.num_running}, "
             f"waiting {self.eng.num_waiting}, finished {sum(s.finished.values()) - self.finished0}"
@@ -181,7 +188,7 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> 
         beat = Heartbeat(eng, n)
         while nxt < n or eng.has_work():
             now = time.perf_counter() - t0
-            beat(now, nxt, steps, host)
+            beat(now, nxt, steps, host, host_calls)
             while nxt < n and arrivals[order[nxt]] <= now:
                 i = int(order[nxt])
                 reqs[i] = eng.submit(wl.prompts[i], wl.news[i], stop_token_ids=[])

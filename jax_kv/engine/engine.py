@@ -928,8 +928,13 @@ class Engine:
         ends the cancelled requests, raises)."""
         try:
             self.shutdown(drain=False)
-        finally:
-            self.cache.close()
+        except BaseException as error:
+            try:
+                self.cache.close()
+            except Exception as close_error:  # the step's error is the one to see
+                error.add_note(f"and closing the engine's cache failed: {close_error}")
+            raise
+        self.cache.close()
 
     def __enter__(self) -> Engine:
         return self
