@@ -81,12 +81,13 @@ def get(url, **kw) -> Resp:
     return request("GET", url, **kw)
 
 
-def wait_ready(base: str, timeout: float, alive=lambda: True) -> None:
-    """Waits until GET /health answers 200 (the engine is warmed up)."""
+def wait_ready(base: str, timeout: float, alive=lambda: True, any_answer=False) -> None:
+    """Waits until GET /health answers 200 (the engine is warmed up), or with any_answer until
+    it answers at all."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            if get(f"{base}/health", timeout=1).status_code == 200:
+            if get(f"{base}/health", timeout=1).status_code == 200 or any_answer:
                 return
         except OSError:
             pass
@@ -106,27 +107,12 @@ def running(app, ready=True):
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    if ready:
-        wait_ready(base, 120)
-    else:
-        wait_answering(base, 60)
+    wait_ready(base, 120, any_answer=not ready)
     try:
         yield base
     finally:
         server.should_exit = True
         thread.join(60)
-
-
-def wait_answering(base: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            get(f"{base}/health", timeout=1)
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 def make_engine(model, **kw):
