@@ -9,7 +9,10 @@ Per N (busy slots, each holding a P-token prompt, all decoding; prefix cache off
 - `host calls`: FFI handler host calls per step (0: XLA replayed the recorded CUDA graph);
 - `pipelined`: the same compiled decode step called --steps times back to back on the same
   inputs, one wait at the end: the device time per step plus dispatch, without the engine's
-  per-step wait for the tokens;
+  per-step wait for the tokens (and its handler host calls per call);
+- `fresh inputs`: the same with new device arrays for tokens, lengths and bound at every call,
+  as the Engine passed them before they had fixed addresses (jax_kv/engine/inputs.py): if XLA
+  re-records the graph for them, the host calls say so and the time says what it costs;
 - `bare`: the same, without the Engine's per-row sampling (argmax, no `lax.cond`);
 - `Generator`: Generator.generate's decode seconds per step on the same N prompts at B=N
   (tokens_per_call 1, its second run: compiles excluded);
@@ -48,6 +51,10 @@ HBM_BYTES_PER_S = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12}
 def host_calls() -> int | None:
     cuda = _ffi.cuda_module()
     return None if cuda is None else int(sum(cuda.host_calls().values()))
+
+
+def count(calls: float | None) -> str:
+    return "-" if calls is None else f"{calls:.1f}"
 
 
 def fill(eng: Engine, prompts: list[list[int]], new: int) -> list:
@@ -92,30 +99,43 @@ def bare_decode(eng: Engine):
     return jax.jit(run, donate_argnums=(2,))
 
 
-def time_pipelined(eng: Engine, steps: int, step=None) -> float:
-    """ms per call of the Engine's compiled decode step (or `step`, the same arguments), called
-    back to back (the caches fed back, the same lengths: each call rewrites the same
-    positions)."""
+def time_pipelined(eng: Engine, steps: int, step=None, fresh: bool = False) -> tuple[float, float]:
+    """(ms per call, handler host calls per call) of the Engine's compiled decode step (or
+    `step`, the same arguments), called back to back (the caches fed back, the same lengths:
+    each call rewrites the same positions). The per-step inputs are the Engine's own, at fixed
+    addresses, or with `fresh` new device arrays every call (as the Engine passed them before
+    StepInputs): the difference is what re-recording the CUDA graph costs."""
     step = eng._decode if step is None else step
     busy = [b for b, s in enumerate(eng._slots) if s is not None]
     for b in busy:  # the next token's granule, as a real step reserves it
         eng.cache.ensure_slot(b, int(eng.cache.lengths[b]) + 1)
     tokens = np.full((eng.max_slots,), 3, np.int32)
     lengths = eng._lengths()
-    committed = eng.cache.committed
+    bound = np.zeros_like(lengths)
+    bound[busy] = eng.cache.committed_tokens()[busy]
+    eng._inputs.write(tokens=tokens, lengths=lengths, bound=bound)
+    inputs = eng._inputs
+
+    def args():
+        if fresh:
+            return jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(bound)
+        return inputs["tokens"], inputs["lengths"], inputs["bound"]
+
     sampling = eng._sampling_args()
     caches = eng._caches()
     out = None
-    t0 = 0.0
+    t0, c0 = 0.0, None
     for i in range(steps + 1):
         if i == 1:  # the first call waits for nothing before it: not timed
             jax.block_until_ready(out)
-            t0 = time.perf_counter()
-        out, caches, _ = step(eng.params, tokens, caches, lengths, committed, *sampling)
+            t0, c0 = time.perf_counter(), host_calls()
+        tok, lens, bnd = args()
+        out, caches, _ = step(eng.params, tok, caches, lens, bnd, *sampling)
     jax.block_until_ready(out)
     seconds = time.perf_counter() - t0
+    calls = None if c0 is None else (host_calls() - c0) / steps
     eng._accept(caches, verify=False)
-    return seconds / steps * 1e3
+    return seconds / steps * 1e3, calls
 
 
 def generator_step_ms(model, prompts: list[list[int]], new: int, max_len: int) -> float:
@@ -159,8 +179,11 @@ def main() -> None:
             new = 3 * args.steps + 8
             reqs = fill(eng, prompts, new)
             row = dict(busy=n, prompt=args.prompt, **time_steps(eng, args.steps))
-            row["pipelined_ms"] = time_pipelined(eng, args.steps)
-            row["bare_ms"] = time_pipelined(eng, args.steps, bare)
+            row["pipelined_ms"], row["pipelined_host_calls"] = time_pipelined(eng, args.steps)
+            row["fresh_inputs_ms"], row["fresh_inputs_host_calls"] = time_pipelined(
+                eng, args.steps, fresh=True
+            )
+            row["bare_ms"], _ = time_pipelined(eng, args.steps, bare)
             live = eng.cache.live_bytes
             row["live_kv_bytes"] = int(live)
             for r in reqs:
@@ -178,15 +201,18 @@ def main() -> None:
         f"\n{args.model} shape, {args.dtype}, {kind}, {args.slots} slots, max_len {args.max_len}, "
         f"{args.prompt}-token prompts; medians of {args.steps} steps; decode compiles after "
         f"warm-up: {compiles}\n"
-        "| busy | engine step ms | host ms | host calls/step | pipelined ms | bare ms "
-        "| Generator ms | roofline ms |\n|---|---|---|---|---|---|---|---|"
+        "| busy | engine step ms | host ms | host calls/step | pipelined ms (host calls) "
+        "| fresh inputs ms (host calls) | bare ms | Generator ms | roofline ms |\n"
+        "|---|---|---|---|---|---|---|---|---|"
     )
     for r in rows:
-        calls = "-" if r["host_calls_per_step"] is None else f"{r['host_calls_per_step']:.1f}"
         roof = f"{r['roofline_ms']:.2f}" if "roofline_ms" in r else "-"
         print(
-            f"| {r['busy']} | {r['step_ms']:.2f} | {r['host_ms']:.2f} | {calls} | "
-            f"{r['pipelined_ms']:.2f} | {r['bare_ms']:.2f} | {r['generator_ms']:.2f} | {roof} |"
+            f"| {r['busy']} | {r['step_ms']:.2f} | {r['host_ms']:.2f} | "
+            f"{count(r['host_calls_per_step'])} | {r['pipelined_ms']:.2f} "
+            f"({count(r['pipelined_host_calls'])}) | {r['fresh_inputs_ms']:.2f} "
+            f"({count(r['fresh_inputs_host_calls'])}) | {r['bare_ms']:.2f} | "
+            f"{r['generator_ms']:.2f} | {roof} |"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     tag = os.environ.get("JAX_KV_COMMIT", "")

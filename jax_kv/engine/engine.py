@@ -36,6 +36,7 @@ from jax_kv.cache.kv_cache import default_arena
 from jax_kv.decode.generator import STATUS_CAUSES, StepStatusError, _check_int, stop_token_set
 from jax_kv.decode.protocol import DecoderModel
 from jax_kv.decode.sampling import GREEDY, Sampling, sample_rows
+from jax_kv.engine.inputs import StepInputs
 from jax_kv.engine.prefix import PrefixCache
 from jax_kv.engine.request import (
     FINISH_CANCELLED,
@@ -49,7 +50,7 @@ from jax_kv.engine.request import (
 )
 from jax_kv.layout import Layout
 from jax_kv.memory import ArenaExhausted, MeshArena, VmmArena
-from jax_kv.parallel import params_and_attention, put_replicated
+from jax_kv.parallel import params_and_attention
 
 PREFILL_MIN_TOKENS = 16  # the smallest prefill bucket
 DEFAULT_MAX_LEN = 4096  # when neither the caller nor the model bounds a sequence lower
@@ -126,6 +127,13 @@ class _Seq:
     def token_at(self, i: int) -> int:
         n = len(self.prompt)
         return self.prompt[i] if i < n else self.generated[i - n]
+
+    def tokens(self, lo: int, hi: int) -> list[int]:
+        """Tokens [lo, hi) of prompt + generated (slices: a prefill chunk is thousands)."""
+        n = len(self.prompt)
+        if hi <= n:
+            return self.prompt[lo:hi]
+        return self.prompt[lo:n] + self.generated[max(0, lo - n) : hi - n]
 
 
 def _host(x: jax.Array) -> np.ndarray:
@@ -247,13 +255,47 @@ class Engine:
         self._top_k = np.zeros((B,), np.int32)
         self._top_p = np.ones((B,), np.float32)
         self._seeds = np.zeros((B,), np.uint32)
-        self._sampling_device: tuple[jax.Array, ...] | None = None
+        self._sampling_dirty = True
+        try:
+            self._inputs = StepInputs(self._input_fields(), self.cache.arena, mesh)
+        except BaseException:
+            self.cache.close()
+            raise
         self._thread: threading.Thread | None = None
         self._stop_thread = False
         # The memory any one request may hold: the budget (or the arena) with no other slot.
         self._capacity_bytes = self.cache.available_bytes()
 
     # -- compiled steps -------------------------------------------------------------------
+
+    def prefill_buckets(self) -> list[int]:
+        """The token counts a prefill call is padded to: powers of two from 16, the last one
+        the chunk (one compile each)."""
+        buckets, n = [], PREFILL_MIN_TOKENS
+        while True:
+            buckets.append(min(n, self.prefill_chunk_tokens))
+            if n >= self.prefill_chunk_tokens:
+                return buckets
+            n *= 2
+
+    def _input_fields(self) -> dict[str, tuple[int, Any]]:
+        """The steps' per-call inputs (StepInputs, at fixed addresses on VMM). A decode call
+        writes tokens .. bound, a prefill call lengths .. its bucket's tokens: each one
+        contiguous copy."""
+        B = self.max_slots
+        fields: dict[str, tuple[int, Any]] = {
+            "lengths": (B, np.int32),  # tokens each slot holds before the call
+            "cu_seqlens": (B + 1, np.int32),  # the prefill's packed sequence offsets
+            "tokens": (B, np.int32),  # the decode's input token per row
+            "bound": (B, np.int32),  # the decode's write bound (0: an idle row)
+            "temperature": (B, np.float32),
+            "top_k": (B, np.int32),
+            "top_p": (B, np.float32),
+            "seeds": (B, np.uint32),
+        }
+        for n in self.prefill_buckets():
+            fields[f"prefill_tokens_{n}"] = (n, np.int32)
+        return fields
 
     def _prefill_fn(self) -> Any:
         model = self.model
@@ -458,19 +500,19 @@ class Engine:
             raise EngineError("warm_up: call it before start()")
         vocab = self.model.config.vocab_size
         longest = self.max_len - 1  # a prompt with one new token (its first, from prefill)
-        n = PREFILL_MIN_TOKENS
-        while n <= self.prefill_chunk_tokens:
+        smaller = 0  # the bucket below n
+        for n in self.prefill_buckets():
             # The most real tokens a call for bucket n can hold: one prompt, or several packed
             # together (a serving call packs rows too) where n passes the longest prompt.
             real = min(n, self.max_slots * longest)
-            if n > PREFILL_MIN_TOKENS and real <= n // 2:
+            if real <= smaller:
                 break  # no call reaches bucket n
             for j in range(-(-real // longest)):
                 size = min(longest, real - j * longest)
                 # Prompts that share no block (the prefix cache would shorten their prefill).
                 self._warm_submit([(n + 131 * j + i) % vocab for i in range(size)], 1)
             self.run_until_idle()
-            n *= 2
+            smaller = n
         size = max(1, min(20, self.max_len - 3))
         for j in range(min(4, self.max_slots)):  # a packed call of several rows, a wide decode
             self._warm_submit([1 + j] * size, min(3, self.max_len - size))
@@ -543,7 +585,7 @@ class Engine:
             s = seq.sampling
             self._temperature[b], self._top_k[b], self._top_p[b] = s.temperature, s.top_k, s.top_p
             self._seeds[b] = s.seed & 0xFFFFFFFF  # JAX keys on the low 32 bits (Sampling)
-            self._sampling_device = None
+            self._sampling_dirty = True
             counts[b] = n
             room -= n
         return room
@@ -566,7 +608,7 @@ class Engine:
             return
         if int(self.cache.granules[b]) < (k + 1) * self.cache.block_granules:
             return
-        tokens = tuple(seq.token_at(i) for i in range(k * bt, seq.cached))
+        tokens = tuple(seq.tokens(k * bt, seq.cached))
         self.prefix.insert_partial(b, k, seq.blocks[-1] if seq.blocks else None, tokens)
 
     def _commit(self, b: int, tokens: int) -> None:
@@ -589,7 +631,7 @@ class Engine:
             return
         bt = self.prefix.block_tokens
         for k in range(len(seq.blocks), seq.cached // bt):
-            tokens = tuple(seq.token_at(i) for i in range(k * bt, (k + 1) * bt))
+            tokens = tuple(seq.tokens(k * bt, (k + 1) * bt))
             parent = seq.blocks[-1] if seq.blocks else None
             block = self.prefix.insert(seq.slot, k, parent, tokens)
             if block is None:
@@ -651,15 +693,17 @@ class Engine:
         for b in np.flatnonzero(counts):
             seq = self._slots[b]
             assert seq is not None
-            for j in range(seq.cached, seq.cached + int(counts[b])):
-                tokens[i] = seq.token_at(j)
-                i += 1
+            n = int(counts[b])
+            tokens[i : i + n] = seq.tokens(seq.cached, seq.cached + n)
+            i += n
         cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        lengths = self._lengths()
         if N not in self.stats.prefill_buckets:
             self.stats.prefill_buckets.append(N)
+        name = f"prefill_tokens_{N}"
+        self._inputs.write(lengths=self._lengths(), cu_seqlens=cu, **{name: tokens})
+        inputs = self._inputs
         sampled, status, device = self._call(
-            "prefill", tokens, cu, self._caches(), lengths,
+            "prefill", inputs[name], inputs["cu_seqlens"], self._caches(), inputs["lengths"],
             self.cache.committed,
         )  # fmt: skip
         self.stats.prefill_calls += 1
@@ -702,9 +746,10 @@ class Engine:
         tokens = np.zeros((B,), np.int32)
         for seq in rows:
             tokens[seq.slot] = seq.generated[-1]
-        committed = self._decode_committed(rows)
+        inputs = self._inputs
+        inputs.write(tokens=tokens, lengths=self._lengths(), bound=self._decode_bound(rows))
         sampled, status, device = self._call(
-            "decode", tokens, self._caches(), self._lengths(), committed
+            "decode", inputs["tokens"], self._caches(), inputs["lengths"], inputs["bound"]
         )
         self.stats.decode_calls += 1
         for seq in rows:
@@ -738,18 +783,13 @@ class Engine:
             self.stats.decode_compiles += compiled
         return sampled, status, seconds
 
-    def _decode_committed(self, rows: list[_Seq]) -> jax.Array:
-        """The write bound of this decode call: the cache's, unless a held slot is not
-        decoding (prefilling): that row is made idle (0) for the call."""
-        decoding = {s.slot for s in rows}
-        held = [b for b, s in enumerate(self._slots) if s is not None and b not in decoding]
-        if not held:
-            return self.cache.committed
-        values = self.cache.committed_tokens()
-        values[held] = 0
-        # The same kind of array as the cache's own bound (a sharding is part of the compile
-        # key): one compiled decode step for both.
-        return put_replicated(values, self.mesh)
+    def _decode_bound(self, rows: list[_Seq]) -> np.ndarray:
+        """The write bound of this decode call: the cache's committed tokens, 0 (idle) for
+        every row it does not advance (free, or prefilling)."""
+        values = np.zeros((self.max_slots,), np.int32)
+        decoding = [s.slot for s in rows]
+        values[decoding] = self.cache.committed_tokens()[decoding]
+        return values
 
     def _lengths(self) -> np.ndarray:
         return np.array([0 if s is None else s.cached for s in self._slots], np.int32)
@@ -764,11 +804,15 @@ class Engine:
         self.cache.accept([k for k, _ in caches], [v for _, v in caches], verify=verify)
 
     def _sampling_args(self) -> tuple[jax.Array, ...]:
-        # Uploaded again only after an admission changed a row: not four transfers per step.
-        if self._sampling_device is None:
-            arrays = (self._temperature, self._top_k, self._top_p, self._seeds)
-            self._sampling_device = tuple(put_replicated(a, self.mesh) for a in arrays)
-        return self._sampling_device
+        # Written again only after an admission changed a row.
+        if self._sampling_dirty:
+            self._inputs.write(
+                temperature=self._temperature, top_k=self._top_k, top_p=self._top_p,
+                seeds=self._seeds,
+            )  # fmt: skip
+            self._sampling_dirty = False
+        inputs = self._inputs
+        return inputs["temperature"], inputs["top_k"], inputs["top_p"], inputs["seeds"]
 
     # -- tokens and endings -------------------------------------------------------------
 
@@ -930,11 +974,17 @@ class Engine:
             self.shutdown(drain=False)
         except BaseException as error:
             try:
-                self.cache.close()
+                self._free()
             except Exception as close_error:  # the step's error is the one to see
                 error.add_note(f"and closing the engine's cache failed: {close_error}")
             raise
-        self.cache.close()
+        self._free()
+
+    def _free(self) -> None:
+        try:
+            self._inputs.close()
+        finally:
+            self.cache.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -44,7 +44,7 @@ GiB = 1 << 30
 LADDER_FLOOR = 64 * GiB
 MIN_ALIGN = 256
 
-_DLPACK_DTYPES = ("bfloat16", "float16", "float32", "int32", "uint8")
+_DLPACK_DTYPES = ("bfloat16", "float16", "float32", "int32", "uint32", "uint8")
 
 
 @dataclasses.dataclass(frozen=True)

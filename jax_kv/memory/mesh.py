@@ -79,8 +79,9 @@ class MeshRegion:
             for arena, part in zip(self.arena.arenas, self.parts, strict=True)
         )
 
-    def export(self, shape: Sequence[int], dtype: Any) -> jax.Array:
-        """A global array of `shape` over the parts, laid out as `spec`, zero-copy."""
+    def export(self, shape: Sequence[int], dtype: Any, offset: int = 0) -> jax.Array:
+        """A global array of `shape` over the parts, laid out as `spec`, zero-copy, from the
+        global byte `offset`."""
         n = len(self.parts)
         local = list(shape)
         for axis, name in enumerate(self.spec):
@@ -88,7 +89,7 @@ class MeshRegion:
                 if local[axis] % n:
                     raise ValueError(f"export: axis {axis} of {list(shape)} not split by {n}")
                 local[axis] //= n
-        views = [part.export(local, dtype) for part in self.parts]
+        views = [part.export(local, dtype, self.local(offset)) for part in self.parts]
         sharding = NamedSharding(self.arena.mesh, self.spec)
         return jax.make_array_from_single_device_arrays(tuple(shape), sharding, views)
 

@@ -6,6 +6,7 @@ and failures that end every request instead of losing one."""
 
 import threading
 
+import jax
 import pytest
 
 from jax_kv import Sampling
@@ -306,8 +307,8 @@ def test_a_failed_step_ends_every_request_with_its_error(model, rng, engine):
 
 @pytest.mark.parametrize(
     ("max_len", "chunk", "slots"),
-    [(256, 512, 8), (100, 512, 2), (130, 512, 1), (2048, 64, 4)],
-    ids=["max_len<chunk", "two short slots", "one slot", "chunk<max_len"],
+    [(256, 512, 8), (100, 512, 2), (130, 512, 1), (2048, 64, 4), (2048, 200, 4)],
+    ids=["max_len<chunk", "two short slots", "one slot", "chunk<max_len", "chunk not 2^k"],
 )
 def test_after_warm_up_no_request_waits_for_a_compile(model, rng, max_len, chunk, slots):
     """warm_up compiles every prefill bucket a call can reach, including buckets only a packed
@@ -370,3 +371,40 @@ def test_start_is_refused_after_shutdown(model):
     with pytest.raises(EngineError, match="start: the engine was shut down"):
         eng.start()
     eng.close()
+
+
+def test_steps_read_their_inputs_at_fixed_addresses(model, generator, rng):
+    """On a VMM arena every call of a compiled step reads its per-step inputs (tokens, lengths,
+    bounds, prefill offsets, sampling) from the same buffers, rewritten in place: XLA replays a
+    recorded CUDA graph only while its buffers keep their addresses (a fresh `lengths` per
+    call re-recorded the Generator's graph at every step). Tokens still equal the Generator's
+    alone, so no call read a stale value."""
+    arena = host_arena(reserve_bytes=1 << 30, granule=16 * token_bytes(model))
+    eng = Engine(model, max_slots=3, max_len=MAX_LEN, prefill_chunk_tokens=32, arena=arena)
+    seen: dict[tuple, set] = {}
+
+    def recording(kind, step):
+        def run(params, *args):
+            arrays = [a for a in args if isinstance(a, jax.Array)]  # not the caches' list
+            key = (kind, *(a.shape for a in arrays))  # a prefill bucket has its own buffers
+            seen.setdefault(key, set()).add(tuple(a.unsafe_buffer_pointer() for a in arrays))
+            return step(params, *args)
+
+        return run
+
+    eng._prefill, eng._decode = recording("prefill", eng._prefill), recording("decode", eng._decode)
+    try:
+        ps = prompts(rng, model, [5, 40, 17, 1, 33, 64, 9])
+        news = rng.integers(1, 12, len(ps))
+        reqs = [eng.submit(p, int(n), stop_token_ids=[]) for p, n in zip(ps, news, strict=True)]
+        eng.run_until_idle()
+        for p, r in zip(ps, reqs, strict=True):
+            assert r.result().tokens == alone(generator, p, len(r.result().tokens))
+        assert eng.stats.decode_calls > 10 and len(eng.stats.prefill_buckets) > 1
+        moved = {k: len(v) for k, v in seen.items() if len(v) != 1}
+        assert not moved, f"inputs at new addresses (calls' pointer sets per step): {moved}"
+        assert eng._inputs.fixed and eng._inputs.writes > eng.stats.decode_calls
+    finally:
+        eng.close()
+        assert arena.committed_bytes == 0
+        arena.close()
