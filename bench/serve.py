@@ -173,6 +173,7 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> 
         s0 = dataclasses.replace(eng.stats, finished=dict(eng.stats.finished))
         p0 = dataclasses.replace(eng.prefix.stats) if eng.prefix else None
         cache = eng.cache
+        cow0 = cache.arena.stats().cow_copies if cache.is_vmm else 0
         n = len(wl.prompts)
         order = np.argsort(arrivals, kind="stable")
         reqs: list = [None] * n
@@ -233,6 +234,11 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> 
             prefill_compiles_after_warmup=s.prefill_compiles - s0.prefill_compiles,
             preemptions=s.preemptions - s0.preemptions,
             steps=s.steps - s0.steps,
+            # Calls: the decode step's, the prefill step's, and those of them that also
+            # advanced decoding rows (one pass over the weights for both).
+            decode_calls=s.decode_calls - s0.decode_calls,
+            prefill_calls=s.prefill_calls - s0.prefill_calls,
+            mixed_calls=s.mixed_calls - s0.mixed_calls,
             peak_committed_kv_bytes=int(max(committed)),
             mean_committed_kv_bytes=float(np.mean(committed)),
             peak_held_kv_bytes=int(max(held)),
@@ -255,7 +261,7 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> 
             prefix_evicted_blocks=(eng.prefix.stats.evicted_blocks - p0.evicted_blocks)
             if p0
             else 0,
-            cow_copies=0,  # the partial last granule is not shared (no copy-on-write yet)
+            cow_copies=(cache.arena.stats().cow_copies - cow0) if cache.is_vmm else 0,
             decode_steps_rerecorded=sum(1 for c in host_calls if c) if calls else None,
             decode_only_steps=len(host_calls) if calls else None,
         )

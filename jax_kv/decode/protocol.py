@@ -22,7 +22,9 @@ class DecoderModel(Protocol):
         committed) -> (logits [B, V] of each row's last new token, caches, status [B]): the
         real new tokens of all rows packed on one token axis, row b's at
         tokens[cu_seqlens[b]:cu_seqlens[b+1]] (jax_kv.gqa_prefill_packed's contract); what
-        the Generator prefills with.
+        the Generator prefills with. The Engine also passes `decode_tokens` [B] and
+        `decode_bound` [B] (and under a mesh `decode_attention`): other rows advance by one
+        token in the same call, as decode_step would advance them (jax_kv.models.llama).
     decode_step(params, tokens [B], caches, lengths [B], *, layout, committed)
         -> (logits [B, V], caches, status [B]): one token per sequence at lengths[b].
     Both run inside jax.jit with the caches donated: per layer (k_cache, v_cache) in `layout`.

@@ -3,19 +3,25 @@ compiled decode step never changes.
 
 One engine step (`step()`), in Python between jitted calls:
 1. cancelled requests end and return their slots;
-2. one packed prefill call of at most `prefill_chunk_tokens` real tokens on one token axis
-   (padded to a power-of-two bucket: one compile per bucket): the next piece of every
-   prefilling slot in admission order, then, while room is left, queued requests admitted
-   FIFO into free slots when the memory of their first piece can be committed (admission
-   never preempts a running request, and no slot holds memory for tokens not in this call);
-   a slot whose prompt ends samples its first token;
-3. one decode step over all `max_slots` rows at one fixed shape (compiled once): each decoding
-   slot's memory for the token it writes is committed first; where it cannot be, the youngest
-   slot holder is preempted (its granules released, its tokens kept, re-prefilled later);
-   a free slot has committed 0, which the attention ops read as idle (no reads, no writes);
-4. tokens reach the requests (streamed), finished requests return their slots.
+2. the prefill pieces are planned and their memory committed: at most `prefill_chunk_tokens`
+   real tokens, the next piece of every prefilling slot in admission order, then, while room
+   is left, queued requests admitted FIFO into free slots when the memory of their first piece
+   can be committed (admission never preempts a running request, and no slot holds memory for
+   tokens not in this call);
+3. each decoding slot's memory for the token it writes is committed; where it cannot be, the
+   youngest slot holder is preempted (its granules released, its tokens kept, re-prefilled
+   later);
+4. one compiled call. With prefill pieces, the prefill step: the pieces packed on one token
+   axis (padded to a power-of-two bucket: one compile per bucket) and the decoding slots'
+   next tokens in the same pass over the weights (the decode kernel attends for those rows);
+   a slot whose prompt ends samples its first token. Without, the decode step over all
+   `max_slots` rows at one fixed shape (compiled once). Either way a row that takes no part
+   has a write bound of 0, which the attention ops read as idle (no reads, no writes);
+5. tokens reach the requests (streamed), finished requests return their slots.
 
-So a long prompt delays the running requests' next token by one chunk at most.
+The per-call inputs sit at fixed device addresses on VMM (StepInputs), so XLA can replay each
+compiled step's recorded CUDA graph. A long prompt delays the running requests' next token by
+one chunk's compute at most, and never stops them.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -69,14 +76,15 @@ class EngineStats:
     """Counters since the engine started (deterministic, except the seconds)."""
 
     steps: int = 0
-    decode_calls: int = 0
-    prefill_calls: int = 0
+    decode_calls: int = 0  # calls of the decode step (no prefill piece in the step)
+    prefill_calls: int = 0  # calls of the prefill step (which also advance the decoding rows)
+    mixed_calls: int = 0  # prefill calls that advanced decoding rows too
     decode_compiles: int = 0  # 1 for the engine's life: the step has one shape
     prefill_compiles: int = 0  # one per prefill bucket used
     prefill_buckets: list[int] = dataclasses.field(default_factory=list)
     prefill_tokens: int = 0  # real tokens prefilled (re-prefills included)
     prefill_tokens_computed: int = 0  # bucket positions computed
-    decode_tokens: int = 0  # tokens the decode steps generated for live requests
+    decode_tokens: int = 0  # tokens generated for decoding rows (either step)
     submitted: int = 0
     finished: dict[str, int] = dataclasses.field(default_factory=dict)  # per finish reason
     preemptions: int = 0
@@ -299,17 +307,22 @@ class Engine:
 
     def _prefill_fn(self) -> Any:
         model = self.model
-        attention = self._attention["prefill"]
+        attention = dict(self._attention["prefill"])
+        if "attention" in self._attention["decode"]:  # per shard under a mesh
+            attention["decode_attention"] = self._attention["decode"]["attention"]
         replicated = self._replicated
 
-        def run(params, tokens, cu_seqlens, caches, lengths, committed, temp, top_k, top_p,
-                seeds):  # fmt: skip
+        def run(params, tokens, cu_seqlens, caches, lengths, committed, decode_tokens,
+                decode_bound, temp, top_k, top_p, seeds):  # fmt: skip
             self._traces["prefill"] += 1  # runs while tracing only
             logits, caches, status = model.prefill_packed(
                 params, tokens, cu_seqlens, caches, lengths, layout=Layout.SEQ_MAJOR,
-                committed=committed, **attention,
+                committed=committed, decode_tokens=decode_tokens, decode_bound=decode_bound,
+                **attention,
             )  # fmt: skip
-            positions = lengths + (cu_seqlens[1:] - cu_seqlens[:-1])
+            # The position of the token each row samples: after its piece, or its decode token.
+            new = cu_seqlens[1:] - cu_seqlens[:-1]
+            positions = lengths + jnp.where(new > 0, new, 1)
             keys = _row_keys(seeds, positions)
             sampled = sample_rows(logits, keys, temp, top_k, top_p)
             return replicated(sampled), caches, replicated(status)
@@ -477,8 +490,16 @@ class Engine:
         t0 = time.perf_counter()
         try:
             self._end_cancelled()
-            prefill_tokens, prefill_s = self._prefill_step()
-            decode_rows, decode_s = self._decode_step()
+            counts = self._plan_prefill()
+            rows = self._plan_decode()
+            # A prefilling slot preempted for a decoding row's memory leaves this call.
+            counts[[b for b in np.flatnonzero(counts) if self._slots[b] is None]] = 0
+            prefill_tokens, decode_rows = int(counts.sum()), len(rows)
+            prefill_s = decode_s = 0.0
+            if prefill_tokens:
+                prefill_s = self._run_prefill(counts, rows)
+            elif rows:
+                decode_s = self._run_decode(rows)
         except BaseException as error:
             self._fail(error)
             raise
@@ -666,13 +687,14 @@ class Engine:
         with self._lock:
             self._queue.appendleft(seq)
 
-    def _prefill_step(self) -> tuple[int, float]:
-        B, chunk = self.max_slots, self.prefill_chunk_tokens
+    def _plan_prefill(self) -> np.ndarray:
+        """Commits this step's prefill pieces (the prefilling slots' next ones in admission
+        order, then admissions while the chunk has room); returns tokens per slot [B]."""
         waiting = sorted(
             (s for s in self._active() if s.cached < s.prefill_target), key=lambda s: s.admitted
         )
-        counts = np.zeros((B,), np.int64)
-        room = chunk
+        counts = np.zeros((self.max_slots,), np.int64)
+        room = self.prefill_chunk_tokens
         for seq in waiting:
             if room == 0:
                 break
@@ -684,45 +706,11 @@ class Engine:
             counts[seq.slot] = n
             room -= n
         self._admit(room, counts)
-        real = int(counts.sum())
-        if real == 0:
-            return 0, 0.0
-        N = min(bucket_for(real, PREFILL_MIN_TOKENS), chunk)
-        tokens = np.zeros((N,), np.int32)
-        i = 0
-        for b in np.flatnonzero(counts):
-            seq = self._slots[b]
-            assert seq is not None
-            n = int(counts[b])
-            tokens[i : i + n] = seq.tokens(seq.cached, seq.cached + n)
-            i += n
-        cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        if N not in self.stats.prefill_buckets:
-            self.stats.prefill_buckets.append(N)
-        name = f"prefill_tokens_{N}"
-        self._inputs.write(lengths=self._lengths(), cu_seqlens=cu, **{name: tokens})
-        inputs = self._inputs
-        sampled, status, device = self._call(
-            "prefill", inputs[name], inputs["cu_seqlens"], self._caches(), inputs["lengths"],
-            self.cache.committed,
-        )  # fmt: skip
-        self.stats.prefill_calls += 1
-        self.stats.prefill_tokens += real
-        self.stats.prefill_tokens_computed += N
-        for b in np.flatnonzero(counts):
-            seq = self._slots[b]
-            assert seq is not None
-            if status[b]:
-                self._fail_row(seq, int(status[b]), "prefill")
-                continue
-            seq.cached += int(counts[b])
-            self.cache.lengths[b] = seq.cached
-            self._cache_blocks(seq)
-            if seq.cached == seq.prefill_target and not seq.generated:
-                self._emit(seq, int(sampled[b]))
-        return real, device
+        return counts
 
-    def _decode_step(self) -> tuple[int, float]:
+    def _plan_decode(self) -> list[_Seq]:
+        """Commits the memory of each decoding slot's next token, preempting the youngest
+        holders where it cannot; returns the rows this step advances."""
         decoding = sorted(
             (s for s in self._active() if s.cached == s.prefill_target and s.generated),
             key=lambda s: s.admitted,
@@ -739,19 +727,71 @@ class Engine:
                 rows.append(seq)
             else:
                 self._preempt(seq)  # the youngest: it waits for the older ones' memory
-        rows = [s for s in rows if s.slot is not None]
-        if not rows:
-            return 0, 0.0
-        B = self.max_slots
-        tokens = np.zeros((B,), np.int32)
+        return [s for s in rows if s.slot is not None]
+
+    def _write_decode_inputs(self, rows: list[_Seq]) -> None:
+        tokens = np.zeros((self.max_slots,), np.int32)
         for seq in rows:
             tokens[seq.slot] = seq.generated[-1]
+        self._inputs.write(tokens=tokens, lengths=self._lengths(), bound=self._decode_bound(rows))
+
+    def _run_prefill(self, counts: np.ndarray, rows: list[_Seq]) -> float:
+        """One call of the prefill step: the slots' packed pieces (`counts` tokens each) and,
+        in the same pass over the weights, the decoding `rows`' next tokens (the decode
+        kernel's rows of the call). Returns its seconds."""
+        real = int(counts.sum())
+        N = min(bucket_for(real, PREFILL_MIN_TOKENS), self.prefill_chunk_tokens)
+        tokens = np.zeros((N,), np.int32)
+        i = 0
+        for b in np.flatnonzero(counts):
+            seq = self._slots[b]
+            assert seq is not None
+            n = int(counts[b])
+            tokens[i : i + n] = seq.tokens(seq.cached, seq.cached + n)
+            i += n
+        cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        if N not in self.stats.prefill_buckets:
+            self.stats.prefill_buckets.append(N)
+        name = f"prefill_tokens_{N}"
+        self._write_decode_inputs(rows)  # lengths .. bound, then cu_seqlens and the tokens
+        self._inputs.write(cu_seqlens=cu, **{name: tokens})
         inputs = self._inputs
-        inputs.write(tokens=tokens, lengths=self._lengths(), bound=self._decode_bound(rows))
-        sampled, status, device = self._call(
+        sampled, status, seconds = self._call(
+            "prefill", inputs[name], inputs["cu_seqlens"], self._caches(), inputs["lengths"],
+            self.cache.committed, inputs["tokens"], inputs["bound"],
+        )  # fmt: skip
+        self.stats.prefill_calls += 1
+        self.stats.mixed_calls += bool(rows)
+        self.stats.prefill_tokens += real
+        self.stats.prefill_tokens_computed += N
+        for b in np.flatnonzero(counts):
+            seq = self._slots[b]
+            assert seq is not None
+            if status[b]:
+                self._fail_row(seq, int(status[b]), "prefill")
+                continue
+            seq.cached += int(counts[b])
+            self.cache.lengths[b] = seq.cached
+            self._cache_blocks(seq)
+            if seq.cached == seq.prefill_target and not seq.generated:
+                self._emit(seq, int(sampled[b]))
+        self._advance(rows, sampled, status)
+        return seconds
+
+    def _run_decode(self, rows: list[_Seq]) -> float:
+        """One call of the decode step (all max_slots rows, one shape): the decoding `rows`
+        advance, the others are idle. Returns its seconds."""
+        self._write_decode_inputs(rows)
+        inputs = self._inputs
+        sampled, status, seconds = self._call(
             "decode", inputs["tokens"], self._caches(), inputs["lengths"], inputs["bound"]
         )
         self.stats.decode_calls += 1
+        self._advance(rows, sampled, status)
+        return seconds
+
+    def _advance(self, rows: list[_Seq], sampled: np.ndarray, status: np.ndarray) -> None:
+        """The decoding rows' tokens of a call reach their requests."""
         for seq in rows:
             b = seq.slot
             assert b is not None
@@ -763,7 +803,6 @@ class Engine:
             self._cache_blocks(seq)
             self.stats.decode_tokens += 1
             self._emit(seq, int(sampled[b]))
-        return len(rows), device
 
     def _call(self, kind: str, *args: Any) -> tuple[np.ndarray, np.ndarray, float]:
         """Runs the `kind` step on (params, *args, sampling) -> (sampled tokens [B], status

@@ -303,10 +303,19 @@ def prefill_packed(
     attention: Callable[..., Any] = gqa_prefill_packed,
     projection: Callable[..., Any] | None = None,
     committed: jax.Array | None = None,
+    decode_tokens: jax.Array | None = None,
+    decode_bound: jax.Array | None = None,
+    decode_attention: Callable[..., Any] = gqa_decode,
 ) -> tuple[jax.Array, ...]:
     """Runs the real new tokens of B cache rows, packed on one token axis, through the decoder:
     projections, norms, MLP and attention see [N, H] activations, so padding costs only the
     rounding of N (jax_kv.gqa_prefill_packed's contract).
+
+    With `decode_tokens`, the same call also advances other rows by one token each, as
+    `decode_step` would (the Engine's step: one pass over the weights for a prefill chunk and
+    the running requests' next tokens): their B tokens join the N on the token axis for the
+    projections and the MLP, and attend through `decode_attention` (gqa_decode's contract,
+    the decode kernel) with `decode_bound` as its write bound.
 
     Args:
         tokens: int32 [N]; row b's new tokens are tokens[cu_seqlens[b]:cu_seqlens[b+1]], the
@@ -315,31 +324,59 @@ def prefill_packed(
             new tokens has cu_seqlens[b] == cu_seqlens[b+1] (its logits are meaningless).
         caches, lengths, layout, projection, committed: as in `prefill` (B rows).
         attention: gqa_prefill_packed or a function of its contract.
+        decode_tokens: int32 [B], the token each decoding row writes at lengths[b]; needs
+            `decode_bound` and `committed`.
+        decode_bound: int32 [B], gqa_decode's `committed` for the decoding rows: 0 for every
+            other row (idle: the decode op neither reads nor writes it). A row is a prefill
+            row or a decoding row or neither, never both.
+        decode_attention: gqa_decode or a function of its contract.
 
     Returns:
         (float32 logits [B, V] of each row's last new token, caches), plus status int32 [B]
-        when `committed` is given. The caller advances lengths[b] by cu_seqlens[b+1] -
-        cu_seqlens[b].
+        when `committed` is given. With decode rows, a row with no packed tokens gets its
+        decode token's logits. The caller advances lengths[b] by cu_seqlens[b+1] -
+        cu_seqlens[b], and each decoding row's by 1.
     """
     (N,) = tokens.shape
     B = lengths.shape[0]
     _check_caches(config, caches)
-    positions = packed_positions(cu_seqlens, lengths, N)[None]  # [1, N]
-    x = jnp.take(params["embed"], tokens, axis=0)[None]  # [1, N, H]
+    decoding = decode_tokens is not None
+    if decoding and (decode_bound is None or committed is None):
+        raise ValueError("decode_tokens: needs decode_bound and committed (the status path)")
+    positions = packed_positions(cu_seqlens, lengths, N)
+    x = jnp.take(params["embed"], tokens, axis=0)  # [N, H]
+    if decoding:
+        positions = jnp.concatenate([positions, lengths])
+        x = jnp.concatenate([x, jnp.take(params["embed"], decode_tokens, axis=0)])
     checked = _StatusPath(committed, B)
+    checked_decode = _StatusPath(decode_bound, B)
 
     def attend(q, k, v, k_cache, v_cache):
-        attn, *rest = checked(
+        attn, k_cache, v_cache = checked(
             attention(
-                q[0], k[0], v[0], k_cache, v_cache, lengths, cu_seqlens, layout=layout,
-                **checked.kwargs,
+                q[0, :N], k[0, :N], v[0, :N], k_cache, v_cache, lengths, cu_seqlens,
+                layout=layout, **checked.kwargs,
             )
         )  # fmt: skip
-        return (attn[None], *rest)
+        if decoding:
+            rows, k_cache, v_cache = checked_decode(
+                decode_attention(
+                    q[0, N:], k[0, N:], v[0, N:], k_cache, v_cache, lengths, layout=layout,
+                    **checked_decode.kwargs,
+                )
+            )  # fmt: skip
+            attn = jnp.concatenate([attn, rows])
+        return attn[None], k_cache, v_cache
 
-    x, out_caches = _decoder(params, config, x, positions, caches, attend, projection or project)
-    last = jnp.clip(cu_seqlens[1:] - 1, 0, N - 1)  # [B]
-    return checked.result(_logits(params, config, x[0, last]), out_caches)
+    x, out_caches = _decoder(
+        params, config, x[None], positions[None], caches, attend, projection or project
+    )
+    last = x[0, jnp.clip(cu_seqlens[1:] - 1, 0, N - 1)]  # [B, H]
+    if decoding:
+        packed = cu_seqlens[1:] > cu_seqlens[:-1]
+        last = jnp.where(packed[:, None], last, x[0, N:])
+        checked.status = jnp.maximum(checked.status, checked_decode.status)
+    return checked.result(_logits(params, config, last), out_caches)
 
 
 def decode_step(

@@ -69,6 +69,65 @@ def test_packed_prefill_equals_padded_prefill(model, layout, rng):
         np.testing.assert_allclose(np.asarray(gv), np.asarray(wv), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_decode_rows_in_a_packed_call_equal_a_decode_step(model, layout, rng):
+    """The Engine's prefill step: packed pieces for some rows and, in the same call, one decode
+    token for others (the decode op's rows) give the logits, caches and status of a packed
+    call followed by a decode step; an idle row (neither) is not touched; a decoding row whose
+    bound refuses its write is latched alone."""
+    config, S = model.config, 64
+    past = np.array([0, 9, 12, 4, 7], np.int32)
+    new = np.array([5, 0, 0, 17, 0], np.int32)  # rows 0, 3 prefill
+    bound = np.array([0, S, S, 0, 0], np.int32)  # rows 1, 2 decode; row 4 idle
+    N = 32
+    cu = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    packed = np.zeros((N,), np.int32)
+    packed[: cu[-1]] = rng.integers(3, config.vocab_size, cu[-1])
+    step = np.where(bound > 0, rng.integers(3, config.vocab_size, 5), 0).astype(np.int32)
+    committed = jnp.full((5,), S, jnp.int32)
+    caches = caches_of(config, 5, S, layout, rng)
+    copy = [tuple(jnp.array(c) for c in pair) for pair in caches]
+    args = (jnp.asarray(packed), jnp.asarray(cu))
+    want_p, mid, status_p = llama.prefill_packed(
+        model.params, config, *args, caches, jnp.asarray(past), layout=layout,
+        committed=committed,
+    )  # fmt: skip
+    want_d, want_caches, status_d = llama.decode_step(
+        model.params, config, jnp.asarray(step), mid, jnp.asarray(past), layout=layout,
+        committed=jnp.asarray(bound),
+    )  # fmt: skip
+    assert not np.asarray(status_p).any() and not np.asarray(status_d).any()
+
+    def mixed(caches, bound):
+        return llama.prefill_packed(
+            model.params, config, *args, caches, jnp.asarray(past), layout=layout,
+            committed=committed, decode_tokens=jnp.asarray(step), decode_bound=jnp.asarray(bound),
+        )  # fmt: skip
+
+    kept = [tuple(jnp.array(c) for c in pair) for pair in copy]
+    got, got_caches, status = mixed(copy, bound)
+    got = np.asarray(got)
+    for rows, want in (([0, 3], want_p), ([1, 2], want_d)):
+        np.testing.assert_allclose(got[rows], np.asarray(want)[rows], rtol=2e-5, atol=2e-5)
+    # XLA's dots over N + 2 rows round differently from dots over N and over 2 (~1e-6 here);
+    # the idle row's bytes are untouched.
+    for (gk, gv), (wk, wv), (k0, v0) in zip(got_caches, want_caches, kept, strict=True):
+        np.testing.assert_allclose(np.asarray(gk), np.asarray(wk), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(gv), np.asarray(wv), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(gk)[4], np.asarray(k0)[4])
+        np.testing.assert_array_equal(np.asarray(gv)[4], np.asarray(v0)[4])
+    assert np.asarray(status).tolist() == [0] * 5
+    refused = bound.copy()
+    refused[2] = past[2]  # its write at past[2] is at the bound: refused (traced: latched)
+    _, _, status = jax.jit(mixed)(kept, refused)
+    assert np.asarray(status).tolist() == [0, 0, 1, 0, 0]
+    with pytest.raises(ValueError, match="decode_tokens: needs decode_bound and committed"):
+        llama.prefill_packed(
+            model.params, config, *args, copy, jnp.asarray(past), layout=layout,
+            decode_tokens=jnp.asarray(step),
+        )  # fmt: skip
+
+
 def test_packed_positions():
     cu = jnp.asarray([0, 3, 3, 5], jnp.int32)
     lengths = jnp.asarray([10, 20, 30], jnp.int32)

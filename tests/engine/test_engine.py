@@ -408,3 +408,31 @@ def test_steps_read_their_inputs_at_fixed_addresses(model, generator, rng):
         eng.close()
         assert arena.committed_bytes == 0
         arena.close()
+
+
+def test_a_prefill_piece_and_the_decoding_rows_take_one_call(model, generator, rng, engine):
+    """A step with a prefill piece advances the decoding requests in the same call (one pass
+    over the weights, the decode kernel for their rows); a step without one runs the decode
+    step. Both requests' tokens equal each generated alone."""
+    eng = engine(model, max_slots=3, prefill_chunk_tokens=32)
+    a, b = prompts(rng, model, [7, 50])
+    ra = eng.submit(a, 12, stop_token_ids=[])
+    eng.step()  # a's prompt: its first token
+    assert (eng.last_step.prefill_tokens, eng.last_step.decode_rows) == (7, 0)
+    rb = eng.submit(b, 5, stop_token_ids=[])
+    s = eng.stats
+    before = (s.prefill_calls, s.mixed_calls, s.decode_calls)
+    eng.step()  # b's first piece (32 of its 50 tokens) and a's second token
+    assert (eng.last_step.prefill_tokens, eng.last_step.decode_rows) == (32, 1)
+    assert (s.prefill_calls, s.mixed_calls, s.decode_calls) == (
+        before[0] + 1, before[1] + 1, before[2]
+    )  # fmt: skip
+    eng.step()  # the rest of b (18), a's third token
+    assert (eng.last_step.prefill_tokens, eng.last_step.decode_rows) == (18, 1)
+    eng.step()  # no piece left: the decode step, both rows
+    assert (eng.last_step.prefill_tokens, eng.last_step.decode_rows) == (0, 2)
+    assert s.decode_calls == before[2] + 1
+    eng.run_until_idle()
+    assert ra.result().tokens == alone(generator, a, 12)
+    assert rb.result().tokens == alone(generator, b, 5)
+    assert len(ra.result().tokens) == 12 and s.decode_tokens == 12 - 1 + 5 - 1

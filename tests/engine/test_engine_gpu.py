@@ -271,3 +271,34 @@ def test_decode_steps_replay_the_recorded_graph(model, rng):
     finally:
         eng.close()
         arena.close()
+
+
+def test_prefill_steps_replay_the_recorded_graph(model, rng):
+    """A prompt prefilled in pieces of one bucket while other requests decode: each step is one
+    call of the same compiled prefill step (the pieces and the decoding rows' tokens), whose
+    inputs sit at fixed addresses; after its first recordings the handlers' host code should
+    not run again. Fails with the per-step host calls if XLA re-records."""
+    from jax_kv import _ffi
+    from jax_kv.memory import VmmArena
+
+    cuda = _ffi.cuda_module()
+    arena = VmmArena(pool_bytes=0)
+    eng = Engine(model, max_slots=4, max_len=MAX_LEN, prefill_chunk_tokens=64, arena=arena,
+                 prefix_cache=False)  # fmt: skip
+    try:
+        reqs = [eng.submit(p, 40, stop_token_ids=[]) for p in prompts(rng, model, [20] * 3)]
+        while not all(r.streamed for r in reqs):
+            eng.step()
+        eng.submit(prompts(rng, model, [64 * 20])[0], 2, stop_token_ids=[])
+        calls = []
+        for _ in range(18):
+            before = sum(cuda.host_calls().values())
+            eng.step()
+            assert eng.last_step.prefill_tokens == 64 and eng.last_step.decode_rows == 3
+            calls.append(sum(cuda.host_calls().values()) - before)
+        print(f"\nengine prefill steps (64 tokens + 3 decoding rows), host calls: {calls}")
+        warm = next((i for i, c in enumerate(calls) if c == 0), len(calls))
+        assert warm <= 8 and not any(calls[warm:]), calls
+    finally:
+        eng.close()
+        arena.close()
