@@ -3,7 +3,7 @@
 # $OUT (or ./device-out). Each stage has its own time limit so the whole fits one call.
 #   bash scripts/device_run.sh [stages...]   stages: build ops ops-off gen cache attn generate profile san pytests
 #     prefill-profile failsafe vmm-san soak serving prefill-bench serve serve-prefix serve-http issue20
-#     engine-step
+#     engine-step tile-grid
 # GEN_MODELS, GEN_BATCH, GEN_TOKENS, GEN_IMPLS, GEN_TIMEOUT set bench/generate.py's run.
 # ATTN_ARGS passes options to bench/attention.py (e.g. "--decode-kernel auto,simt"), ATTN_TIMEOUT
 # its time limit in seconds (200); PROF_ARGS / PROF_TIMEOUT the same for bench/step_profile.py;
@@ -137,6 +137,23 @@ for s in $STAGES; do
         python3 bench/generate.py --out "$OUT/$t" --models qwen2.5-0.5b --batch 1 --new-tokens 256 \
         --impls jax_kv-seq,jax_kv-seq@8,plain-jax 2>&1 | grep -v -E "^\s*$|WARNING" | tail -12); done \
         | tee "$OUT/issue20_generate.log" ;;
+    tile-grid)
+      # Branch prefill-tile-grid (carried as tilegrid.tgz: `git archive prefill-tile-grid | gzip >
+      # tilegrid.tgz`, untracked) built into its own --target directory (the editable install
+      # is removed first: its import hook would shadow it), then its packed GPU cases and
+      # bench/prefill.py with PREFILL_ARGS. Put prefill-bench before it in the same call: that
+      # is main's side of the comparison, on the same machine.
+      stage "prefill-tile-grid: packed GPU tests and bench/prefill.py"
+      python3 -m pip uninstall -y -q jax_kv >/dev/null 2>&1
+      mkdir -p /tmp/tilegrid && tar xzf tilegrid.tgz -C /tmp/tilegrid
+      (cd /tmp/tilegrid && JAX_KV_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps \
+        --target /tmp/tilegrid_site . > "$OUT/build_tilegrid.log" 2>&1) || tail -20 "$OUT/build_tilegrid.log"
+      (cd /tmp/tilegrid && PYTHONPATH=/tmp/tilegrid_site:${PYTHONPATH:-} timeout -k 10 ${TG_TEST_TIMEOUT:-150} \
+        python3 -m pytest -m gpu tests/ops/test_gqa_prefill_packed.py -q -p no:cacheprovider \
+        -p no:benchmark -n 4 2>&1 | tail -6) | tee "$OUT/tilegrid_tests.log"
+      (cd /tmp/tilegrid && PYTHONPATH=/tmp/tilegrid_site:${PYTHONPATH:-} timeout -k 10 ${PREFILL_TIMEOUT:-240} \
+        python3 bench/prefill.py --out "$OUT/tilegrid" ${PREFILL_ARGS:-} 2>&1 \
+        | grep -v -E "^\s*$|WARNING|gpu_hlo_schedule|rematerialization" | tail -20) | tee "$OUT/tilegrid_prefill.log" ;;
     prefill-profile)
       # No package build needed: bench/prefill_profile.cu links the prefill kernels alone.
       stage "bench/prefill_profile.cu (+ ncu on the default wgmma kernel)"
