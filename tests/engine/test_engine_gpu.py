@@ -243,31 +243,40 @@ def test_generator_under_a_one_device_mesh_keeps_its_step_and_tokens(model, rng)
     plain.close()
 
 
+def assert_steps_replay(eng, steps, prefill_tokens, decode_rows, what):
+    """Steps the engine `steps` times, each doing `prefill_tokens` and `decode_rows` of work,
+    and asserts that after a few recordings (XLA records a graph over its first calls) the
+    FFI handlers' host code never runs again: the recorded CUDA graph is replayed. Prints the
+    host calls per step and fails with them."""
+    from jax_kv import _ffi
+
+    cuda = _ffi.cuda_module()
+    calls = []
+    for _ in range(steps):
+        before = sum(cuda.host_calls().values())
+        eng.step()
+        rec = eng.last_step
+        assert (rec.prefill_tokens, rec.decode_rows) == (prefill_tokens, decode_rows)
+        calls.append(sum(cuda.host_calls().values()) - before)
+    print(f"\nengine {what}, handler host calls per step: {calls}")
+    warm = next((i for i, c in enumerate(calls) if c == 0), len(calls))
+    assert warm <= 8 and not any(calls[warm:]), calls
+
+
 def test_decode_steps_replay_the_recorded_graph(model, rng):
     """The engine's decode step is one compiled program for its life; on the GPU it should also
     be one recorded CUDA graph, replayed without the FFI handlers' host code (as the Generator's
-    is, tests/decode/test_generator_gpu.py). Its per-step inputs (tokens, lengths) come from
-    NumPy each step: if XLA sees new argument addresses and re-records, the handlers' host
-    calls show it, and this fails with the list."""
-    from jax_kv import _ffi
+    is, tests/decode/test_generator_gpu.py). Its per-step inputs sit at fixed addresses
+    (jax_kv/engine/inputs.py): were they new buffers each step, XLA would re-record."""
     from jax_kv.memory import VmmArena
 
-    cuda = _ffi.cuda_module()
     arena = VmmArena(pool_bytes=0)
     eng = Engine(model, max_slots=4, max_len=MAX_LEN, arena=arena, prefix_cache=False)
     try:
         reqs = [eng.submit(p, 60, stop_token_ids=[]) for p in prompts(rng, model, [50] * 4)]
         while not all(r.streamed for r in reqs):
             eng.step()
-        calls = []
-        for _ in range(30):
-            before = sum(cuda.host_calls().values())
-            eng.step()
-            assert eng.last_step.decode_rows == 4 and eng.last_step.prefill_tokens == 0
-            calls.append(sum(cuda.host_calls().values()) - before)
-        print(f"\nengine decode steps, handler host calls per step: {calls}")
-        warm = next((i for i, c in enumerate(calls) if c == 0), len(calls))
-        assert warm <= 8 and not any(calls[warm:]), calls
+        assert_steps_replay(eng, 30, 0, 4, "decode steps")
     finally:
         eng.close()
         arena.close()
@@ -276,12 +285,9 @@ def test_decode_steps_replay_the_recorded_graph(model, rng):
 def test_prefill_steps_replay_the_recorded_graph(model, rng):
     """A prompt prefilled in pieces of one bucket while other requests decode: each step is one
     call of the same compiled prefill step (the pieces and the decoding rows' tokens), whose
-    inputs sit at fixed addresses; after its first recordings the handlers' host code should
-    not run again. Fails with the per-step host calls if XLA re-records."""
-    from jax_kv import _ffi
+    graph should be replayed as the decode step's is."""
     from jax_kv.memory import VmmArena
 
-    cuda = _ffi.cuda_module()
     arena = VmmArena(pool_bytes=0)
     eng = Engine(model, max_slots=4, max_len=MAX_LEN, prefill_chunk_tokens=64, arena=arena,
                  prefix_cache=False)  # fmt: skip
@@ -290,15 +296,7 @@ def test_prefill_steps_replay_the_recorded_graph(model, rng):
         while not all(r.streamed for r in reqs):
             eng.step()
         eng.submit(prompts(rng, model, [64 * 20])[0], 2, stop_token_ids=[])
-        calls = []
-        for _ in range(18):
-            before = sum(cuda.host_calls().values())
-            eng.step()
-            assert eng.last_step.prefill_tokens == 64 and eng.last_step.decode_rows == 3
-            calls.append(sum(cuda.host_calls().values()) - before)
-        print(f"\nengine prefill steps (64 tokens + 3 decoding rows), host calls: {calls}")
-        warm = next((i for i, c in enumerate(calls) if c == 0), len(calls))
-        assert warm <= 8 and not any(calls[warm:]), calls
+        assert_steps_replay(eng, 18, 64, 3, "prefill steps (64 tokens + 3 decoding rows)")
     finally:
         eng.close()
         arena.close()
