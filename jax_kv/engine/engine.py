@@ -287,9 +287,8 @@ class Engine:
             n *= 2
 
     def _input_fields(self) -> dict[str, tuple[int, Any]]:
-        """The steps' per-call inputs (StepInputs, at fixed addresses on VMM). A decode call
-        writes tokens .. bound, a prefill call lengths .. its bucket's tokens: each one
-        contiguous copy."""
+        """The steps' per-call inputs (StepInputs, at fixed addresses on VMM). A call writes
+        the ones it uses in one copy, the bytes from the first to the last (_write_inputs)."""
         B = self.max_slots
         fields: dict[str, tuple[int, Any]] = {
             "lengths": (B, np.int32),  # tokens each slot holds before the call
@@ -729,11 +728,19 @@ class Engine:
                 self._preempt(seq)  # the youngest: it waits for the older ones' memory
         return [s for s in rows if s.slot is not None]
 
-    def _write_decode_inputs(self, rows: list[_Seq]) -> None:
+    def _write_inputs(self, rows: list[_Seq], **prefill: np.ndarray) -> None:
+        """A call's inputs, in one host-to-device copy: the decoding `rows`' tokens, lengths
+        and write bound, the prefill's (cu_seqlens, its bucket's tokens) when given, and the
+        sampling parameters when an admission changed them."""
         tokens = np.zeros((self.max_slots,), np.int32)
         for seq in rows:
             tokens[seq.slot] = seq.generated[-1]
-        self._inputs.write(tokens=tokens, lengths=self._lengths(), bound=self._decode_bound(rows))
+        values = dict(tokens=tokens, lengths=self._lengths(), bound=self._decode_bound(rows))
+        values.update(prefill)
+        if self._sampling_dirty:
+            values.update(self._sampling_values())
+            self._sampling_dirty = False
+        self._inputs.write(**values)
 
     def _run_prefill(self, counts: np.ndarray, rows: list[_Seq]) -> float:
         """One call of the prefill step: the slots' packed pieces (`counts` tokens each) and,
@@ -753,8 +760,7 @@ class Engine:
         if N not in self.stats.prefill_buckets:
             self.stats.prefill_buckets.append(N)
         name = f"prefill_tokens_{N}"
-        self._write_decode_inputs(rows)  # lengths .. bound, then cu_seqlens and the tokens
-        self._inputs.write(cu_seqlens=cu, **{name: tokens})
+        self._write_inputs(rows, cu_seqlens=cu, **{name: tokens})
         inputs = self._inputs
         sampled, status, seconds = self._call(
             "prefill", inputs[name], inputs["cu_seqlens"], self._caches(), inputs["lengths"],
@@ -781,7 +787,7 @@ class Engine:
     def _run_decode(self, rows: list[_Seq]) -> float:
         """One call of the decode step (all max_slots rows, one shape): the decoding `rows`
         advance, the others are idle. Returns its seconds."""
-        self._write_decode_inputs(rows)
+        self._write_inputs(rows)
         inputs = self._inputs
         sampled, status, seconds = self._call(
             "decode", inputs["tokens"], self._caches(), inputs["lengths"], inputs["bound"]
@@ -842,13 +848,15 @@ class Engine:
         # per array of the check would be host time on every step).
         self.cache.accept([k for k, _ in caches], [v for _, v in caches], verify=verify)
 
+    def _sampling_values(self) -> dict[str, np.ndarray]:
+        return dict(
+            temperature=self._temperature, top_k=self._top_k, top_p=self._top_p, seeds=self._seeds
+        )
+
     def _sampling_args(self) -> tuple[jax.Array, ...]:
-        # Written again only after an admission changed a row.
+        # Written with a call's other inputs after an admission changed a row (_write_inputs).
         if self._sampling_dirty:
-            self._inputs.write(
-                temperature=self._temperature, top_k=self._top_k, top_p=self._top_p,
-                seeds=self._seeds,
-            )  # fmt: skip
+            self._inputs.write(**self._sampling_values())
             self._sampling_dirty = False
         inputs = self._inputs
         return inputs["temperature"], inputs["top_k"], inputs["top_p"], inputs["seeds"]
