@@ -185,6 +185,7 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> 
         cuda = _ffi.cuda_module()
         calls = (lambda: int(sum(cuda.host_calls().values()))) if cuda is not None else None
         host_calls: list[int] = []  # per decode-only step: 0 = the recorded graph replayed
+        prefill_host_calls: list[int] = []  # the same per prefill step (a bucket's own graph)
         nxt, t0 = 0, time.perf_counter()
         beat = Heartbeat(eng, n)
         while nxt < n or eng.has_work():
@@ -217,6 +218,8 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> 
             steps.append(rec.seconds)
             if calls and rec.prefill_tokens == 0 and rec.decode_rows:
                 host_calls.append(calls() - calls0)
+            elif calls and rec.prefill_tokens:
+                prefill_host_calls.append(calls() - calls0)
             if (
                 rec.prefill_tokens == 0
                 and rec.decode_rows >= 0.9 * args.slots
@@ -264,6 +267,10 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> 
             cow_copies=(cache.arena.stats().cow_copies - cow0) if cache.is_vmm else 0,
             decode_steps_rerecorded=sum(1 for c in host_calls if c) if calls else None,
             decode_only_steps=len(host_calls) if calls else None,
+            # Recorded once per bucket in warm-up: a prefill step that records again is one
+            # whose graph XLA could not replay.
+            prefill_steps_rerecorded=sum(1 for c in prefill_host_calls if c) if calls else None,
+            prefill_steps=len(prefill_host_calls) if calls else None,
         )
         return out
     finally:
