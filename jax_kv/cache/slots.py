@@ -156,8 +156,9 @@ class SlotCache:
         self.committed: jax.Array | None = None
         # Arguments before any memory: a refusal then leaves nothing to free.
         if budget_bytes is None:
-            dense = self.bindings * self.num_slots * self.slot_bytes
-            self.budget_bytes = None if self.is_vmm else dense
+            # Every slot at max_len, in whole granules as admission counts a slot's bytes.
+            dense = self.bindings * self.num_slots * self.granules_for(self.slot_tokens)
+            self.budget_bytes = None if self.is_vmm else dense * self.granule
         else:
             if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
                 raise ValueError(f"budget_bytes: expected an int or None, got {budget_bytes!r}")

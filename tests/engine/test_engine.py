@@ -437,3 +437,19 @@ def test_a_prefill_piece_and_the_decoding_rows_take_one_call(model, generator, r
     assert ra.result().tokens == alone(generator, a, 12)
     assert rb.result().tokens == alone(generator, b, 5)
     assert len(ra.result().tokens) == 12 and s.decode_tokens == 12 - 1 + 5 - 1
+
+
+def test_the_default_budget_holds_max_len_in_whole_granules(model):
+    """On the eager arena the default budget is every slot at max_len, counted in whole
+    granules as admission counts them: with max_len not a whole number of granules, a request
+    of max_len tokens is accepted and runs (it was refused as more than the engine could ever
+    give one request, and warm_up failed the same way)."""
+    granule = 16 * token_bytes(model)
+    with Engine(model, arena=EagerArena(), max_slots=2, max_len=200, prefill_chunk_tokens=32,
+                granule_bytes=granule) as eng:  # fmt: skip
+        bindings = 2 * model.config.num_layers
+        assert eng.cache.budget_bytes == bindings * 2 * 13 * granule  # ceil(200 / 16) = 13
+        eng.warm_up()
+        req = eng.submit([5] * 150, 50, stop_token_ids=[])
+        eng.run_until_idle()
+        assert len(req.result().tokens) == 50
