@@ -24,8 +24,7 @@ nb::dlpack::dtype DtypeOf(const std::string& name) {
   if (name == "uint32") return {static_cast<uint8_t>(dtype_code::UInt), 32, 1};
   if (name == "uint8") return {static_cast<uint8_t>(dtype_code::UInt), 8, 1};
   throw nb::value_error(
-      ("dtype: expected bfloat16, float16, float32, int32, uint32 or uint8, got " + name)
-          .c_str());
+      ("dtype: expected bfloat16, float16, float32, int32, uint32 or uint8, got " + name).c_str());
 }
 
 int DeviceTypeOf(const std::string& name) {
