@@ -395,12 +395,13 @@ def test_steps_read_their_inputs_at_fixed_addresses(model, generator, rng):
     eng._prefill, eng._decode = recording("prefill", eng._prefill), recording("decode", eng._decode)
     try:
         ps = prompts(rng, model, [5, 40, 17, 1, 33, 64, 9])
-        news = rng.integers(1, 12, len(ps))
-        reqs = [eng.submit(p, int(n), stop_token_ids=[]) for p, n in zip(ps, news, strict=True)]
+        news = [3, 11, 6, 1, 9, 20, 4]  # the last ones decode alone: decode-only calls
+        reqs = [eng.submit(p, n, stop_token_ids=[]) for p, n in zip(ps, news, strict=True)]
         eng.run_until_idle()
         for p, r in zip(ps, reqs, strict=True):
             assert r.result().tokens == alone(generator, p, len(r.result().tokens))
-        assert eng.stats.decode_calls > 10 and len(eng.stats.prefill_buckets) > 1
+        s = eng.stats
+        assert s.decode_calls >= 5 and s.mixed_calls >= 3 and len(s.prefill_buckets) > 1, s
         moved = {k: len(v) for k, v in seen.items() if len(v) != 1}
         assert not moved, f"inputs at new addresses (calls' pointer sets per step): {moved}"
         calls = eng.stats.prefill_calls + eng.stats.decode_calls
