@@ -142,14 +142,15 @@ for s in $STAGES; do
       # tilegrid.tgz`, untracked) built into its own --target directory (the editable install
       # is removed first: its import hook would shadow it), then its packed GPU cases and
       # bench/prefill.py with PREFILL_ARGS. Put prefill-bench before it in the same call: that
-      # is main's side of the comparison, on the same machine.
+      # is main's side of the comparison, on the same machine. `python3 -P`: `-m` would put the
+      # source tree (no compiled modules) first on sys.path (146 tests failed on that import).
       stage "prefill-tile-grid: packed GPU tests and bench/prefill.py"
       python3 -m pip uninstall -y -q jax_kv >/dev/null 2>&1
       mkdir -p /tmp/tilegrid && tar xzf tilegrid.tgz -C /tmp/tilegrid
       (cd /tmp/tilegrid && JAX_KV_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps \
         --target /tmp/tilegrid_site . > "$OUT/build_tilegrid.log" 2>&1) || tail -20 "$OUT/build_tilegrid.log"
       (cd /tmp/tilegrid && PYTHONPATH=/tmp/tilegrid_site:${PYTHONPATH:-} timeout -k 10 ${TG_TEST_TIMEOUT:-150} \
-        python3 -m pytest -m gpu tests/ops/test_gqa_prefill_packed.py -q -p no:cacheprovider \
+        python3 -P -m pytest -m gpu tests/ops/test_gqa_prefill_packed.py -q -p no:cacheprovider \
         -p no:benchmark -n 4 2>&1 | tail -6) | tee "$OUT/tilegrid_tests.log"
       (cd /tmp/tilegrid && PYTHONPATH=/tmp/tilegrid_site:${PYTHONPATH:-} timeout -k 10 ${PREFILL_TIMEOUT:-240} \
         python3 bench/prefill.py --out "$OUT/tilegrid" ${PREFILL_ARGS:-} 2>&1 \
