@@ -111,8 +111,7 @@ def time_pipelined(eng: Engine, steps: int, step=None, fresh: bool = False) -> t
         eng.cache.ensure_slot(b, int(eng.cache.lengths[b]) + 1)
     tokens = np.full((eng.max_slots,), 3, np.int32)
     lengths = eng._lengths()
-    bound = np.zeros_like(lengths)
-    bound[busy] = eng.cache.committed_tokens()[busy]
+    bound = eng._decode_bound([s for s in eng._slots if s is not None])
     eng._inputs.write(tokens=tokens, lengths=lengths, bound=bound)
     inputs = eng._inputs
 
