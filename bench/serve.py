@@ -173,13 +173,14 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> 
         s0 = dataclasses.replace(eng.stats, finished=dict(eng.stats.finished))
         p0 = dataclasses.replace(eng.prefix.stats) if eng.prefix else None
         cache = eng.cache
-        cow0 = cache.arena.stats().cow_copies if cache.is_vmm else 0
+        a0 = cache.arena.stats() if cache.is_vmm else None
         n = len(wl.prompts)
         order = np.argsort(arrivals, kind="stable")
         reqs: list = [None] * n
         times: list[list[float]] = [[] for _ in range(n)]
         live: set[int] = set()
         held, committed, live_kv, floors, roofline = [], [], [], [], []
+        cached_only: list[int] = []  # prefix blocks no slot maps (evicted when memory is short)
         host, steps = [], []
         wbytes = weight_bytes(eng.params)
         cuda = _ffi.cuda_module()
@@ -211,6 +212,7 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> 
             rec = eng.last_step
             in_use = eng.num_running
             held.append(cache.held_bytes)
+            cached_only.append(cache.cached_only_bytes if eng.prefix is not None else 0)
             committed.append(cache.committed_bytes)
             live_kv.append(cache.live_bytes)
             floors.append(cache.floor_bytes(in_use))
@@ -231,7 +233,16 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> 
             c = r.result()
             assert len(c.tokens) == wl.news[i], (i, c.finish_reason)
         s = eng.stats
+        a1 = cache.arena.stats() if cache.is_vmm else None
         out = latency_metrics(times, arrivals, wl)
+        # Where the host time goes on VMM: the arena's driver work (commits of new granules,
+        # second mappings into the prefix store, unmaps with their device synchronize and
+        # zero-granule remap), per step; the rest is Python scheduling and the input copy.
+        arena_ms = {
+            f"host_{k}_ms_per_step": (getattr(a1, f"{k}_seconds") - getattr(a0, f"{k}_seconds"))
+            * 1e3 / max(1, len(host))
+            for k in ("commit", "share", "decommit")
+        } if a0 else {}  # fmt: skip
         out.update(
             decode_compiles_after_warmup=s.decode_compiles - s0.decode_compiles,
             prefill_compiles_after_warmup=s.prefill_compiles - s0.prefill_compiles,
@@ -253,6 +264,12 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> 
             ),
             host_ms_per_step=float(np.mean(host) * 1e3),
             host_fraction=float(np.sum(host) / np.sum(steps)),
+            **arena_ms,
+            mean_prefix_cached_only_bytes=float(np.mean(cached_only)),
+            requests_held_over_live_plus_floor=float(
+                (np.mean(held) - np.mean(cached_only))
+                / max(1.0, np.mean(live_kv) + np.mean(floors))
+            ),
             decode_roofline_ratio=float(np.median(roofline)) if roofline else None,
             arena="vmm" if cache.is_vmm else "eager",
             prefill_tokens_computed=s.prefill_tokens_computed - s0.prefill_tokens_computed,
@@ -264,7 +281,7 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> 
             prefix_evicted_blocks=(eng.prefix.stats.evicted_blocks - p0.evicted_blocks)
             if p0
             else 0,
-            cow_copies=(cache.arena.stats().cow_copies - cow0) if cache.is_vmm else 0,
+            cow_copies=(a1.cow_copies - a0.cow_copies) if a0 else 0,
             decode_steps_rerecorded=sum(1 for c in host_calls if c) if calls else None,
             decode_only_steps=len(host_calls) if calls else None,
             # Recorded once per bucket in warm-up: a prefill step that records again is one
@@ -414,7 +431,18 @@ def print_row(rate: str, name: str, m: dict, args) -> None:
             f"{m['decode_compiles_after_warmup']}, prefill compiles "
             f"{m['prefill_compiles_after_warmup']}; preemptions {m['preemptions']}; "
             f"scheduling {m['host_ms_per_step']:.2f} ms/step "
-            f"({100 * m['host_fraction']:.1f}%)"
+            f"({100 * m['host_fraction']:.1f}%"
+            + (
+                f"; of it commit {m['host_commit_ms_per_step']:.2f}, share "
+                f"{m['host_share_ms_per_step']:.2f}, unmap {m['host_decommit_ms_per_step']:.2f}"
+                if "host_commit_ms_per_step" in m
+                else ""
+            )
+            + ")"
+            + (
+                f"; prefix blocks no slot maps mean {fmt_bytes(m['mean_prefix_cached_only_bytes'])}"
+                f", requests' KV {m['requests_held_over_live_plus_floor']:.2f}x (live + floor)"
+            )
             + (
                 f"; prefill computed {m['prefill_tokens_computed']:,} positions for "
                 f"{m['prompt_tokens']:,} prompt tokens ({m['unique_prompt_tokens']:,} "

@@ -180,6 +180,11 @@ class Engine:
         prefix_cache: share the K/V of common prompt prefixes between requests (whole
             blocks of granules mapped into each slot, jax_kv.engine.prefix); needs a
             VmmArena; default: on where the arena is one.
+        prefix_cache_bytes: the most KV bytes the prefix cache may keep in blocks no running
+            request maps (finished requests' prompts and outputs), least recently used evicted
+            first when a request ends; default None: kept until admission needs the memory
+            (as vLLM and SGLang keep them). 0 keeps none: committed memory then follows the
+            running requests alone, and requests share only blocks that are running.
     """
 
     def __init__(
@@ -195,6 +200,7 @@ class Engine:
         granule_bytes: int | None = None,
         fuse_projections: bool | None = None,
         prefix_cache: bool | None = None,
+        prefix_cache_bytes: int | None = None,
         mesh: Any = None,
     ) -> None:
         if not isinstance(model, DecoderModel):
@@ -228,6 +234,9 @@ class Engine:
             prefix_cache = vmm
         elif prefix_cache and not vmm:
             raise ValueError("prefix_cache: sharing granules between slots needs a VmmArena")
+        if prefix_cache_bytes is not None:
+            _check_int("prefix_cache_bytes", prefix_cache_bytes, 0)
+        self.prefix_cache_bytes = prefix_cache_bytes
         self.cache = SlotCache(
             num_layers=config.num_layers,
             num_slots=self.max_slots,
@@ -679,12 +688,22 @@ class Engine:
         assert seq.slot is not None
         self._cache_partial(seq)
         self.cache.release_slot(seq.slot)
+        self._trim_prefix()
         self._slots[seq.slot] = None
         seq.slot, seq.cached, seq.blocks = None, 0, []
         seq.preemptions += 1
         self.stats.preemptions += 1
         with self._lock:
             self._queue.appendleft(seq)
+
+    def _trim_prefix(self) -> None:
+        """Evicts least recently used blocks no running request maps past
+        prefix_cache_bytes (a request's end makes the blocks it wrote such blocks)."""
+        if self.prefix is None or self.prefix_cache_bytes is None:
+            return
+        excess = self.cache.cached_only_bytes - self.prefix_cache_bytes
+        if excess > 0:
+            self.prefix.evict_for(excess)
 
     def _plan_prefill(self) -> np.ndarray:
         """Commits this step's prefill pieces (the prefilling slots' next ones in admission
@@ -886,6 +905,7 @@ class Engine:
             if reason != FINISH_ERROR:  # after an error the slot's bytes are not trusted
                 self._cache_partial(seq)
             self.cache.release_slot(seq.slot)
+            self._trim_prefix()
             self._slots[seq.slot] = None
             seq.slot = None
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1

@@ -6,7 +6,8 @@ A block is `SlotCache.block_tokens` tokens (the fewest that fill whole granules:
 Llama-3-8B's 8x128 bf16 heads, 8,192 for Qwen2.5-0.5B's 2x64, on a 2 MiB granule). Blocks are
 indexed by a chained hash (block k's key hashes block k-1's key with its own tokens), and a hit
 is confirmed by comparing the tokens and the parent block, never by the hash alone. Blocks no
-running slot maps are evicted least recently used first, with everything cached after them.
+running slot maps are evicted least recently used first among the chains' leaves (as SGLang's
+radix cache evicts), so a prefix loses its tail before its root.
 """
 
 from __future__ import annotations
@@ -160,12 +161,24 @@ class PrefixCache:
         self.stats.evicted_blocks += 1
         return freed
 
-    def _evict_one(self) -> bool:
+    def _victim(self, also: Callable[[Block], bool]) -> Block | None:
+        """The least recently used evictable block passing `also`, a leaf first: a chain's
+        root is touched before its tail but is worth more (every longer prefix needs it), and
+        dropping a block drops every block cached after it."""
+        fallback = None
         for block in self.by_store.values():
-            if self._evictable(block):
-                self._drop(block)
-                return True
-        return False
+            if self._evictable(block) and also(block):
+                if not block.children:
+                    return block
+                fallback = fallback or block
+        return fallback
+
+    def _evict_one(self) -> bool:
+        victim = self._victim(lambda b: True)
+        if victim is None:
+            return False
+        self._drop(victim)
+        return True
 
     def evict_for(self, nbytes: int) -> int:
         """Evicts least recently used blocks no slot maps until `nbytes` of physical memory
@@ -173,13 +186,7 @@ class PrefixCache:
         holds their granules free nothing and are kept."""
         freed = 0
         while freed < nbytes:
-            victim = next(
-                (
-                    b for b in self.by_store.values()
-                    if self._evictable(b) and b.store not in self.cache.store_owner
-                ),
-                None,
-            )  # fmt: skip
+            victim = self._victim(lambda b: b.store not in self.cache.store_owner)
             if victim is None:
                 break
             freed += self._drop(victim)

@@ -79,6 +79,8 @@ class ArenaStats:
     release_calls: int
     copy_calls: int
     commit_seconds: float  # inside commit: handle creation on shortfall, map, set-access
+    share_seconds: float  # inside share: the second mappings of committed granules
+    decommit_seconds: float  # unmapping: the device synchronize, unmaps, zero granule mapped back
     create_seconds: float  # all cuMemCreate time, commit shortfalls and pool refills
     views_exported: int
     views_released: int
@@ -329,6 +331,8 @@ class VmmArena:
         self._next_key = 0
         self._counts = self._state.counts
         self._commit_seconds = 0.0
+        self._share_seconds = 0.0
+        self._decommit_seconds = 0.0
         self._create_seconds = 0.0
         self._zero_map_seconds = 0.0
         _LIVE_ARENAS.add(self)
@@ -520,6 +524,8 @@ class VmmArena:
             release_calls=c["release"],
             copy_calls=c["copy"],
             commit_seconds=self._commit_seconds,
+            share_seconds=self._share_seconds,
+            decommit_seconds=self._decommit_seconds,
             create_seconds=self._create_seconds,
             views_exported=c["exported"],
             views_released=c["released"],
@@ -799,6 +805,7 @@ class VmmArena:
                 self._count_granule(j, +1)
             self._counts["share"] += len(dst_span)
             seconds = time.perf_counter() - t0
+            self._share_seconds += seconds
             return CommitReport(len(dst_span), len(dst_span), len(runs), seconds)
 
     def _restore_mapping(self, index: int, handle: Any, fresh: Any) -> None:
@@ -1051,6 +1058,13 @@ class VmmArena:
         """Unmaps mapped granules (sorted indices) after a device synchronize, pools or
         releases their handles and maps the zero granule back where a live region has them.
         Called with the lock held."""
+        t0 = time.perf_counter()
+        try:
+            self._unmap_and_pool(todo)
+        finally:
+            self._decommit_seconds += time.perf_counter() - t0
+
+    def _unmap_and_pool(self, todo: list[int]) -> None:
         g, d = self.granule, self._state.driver
         d.make_current()
         d.synchronize()

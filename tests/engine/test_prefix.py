@@ -163,6 +163,41 @@ def test_unused_blocks_are_evicted_under_memory_pressure(model, generator, rng, 
     assert again.result().tokens == got[-1].tokens
 
 
+def test_prefix_cache_bytes_caps_the_blocks_no_request_maps(model, generator, rng, arenas):
+    """prefix_cache_bytes: after every request's end the blocks no running request maps
+    hold at most the cap (least recently used evicted first); 0 keeps none, so committed
+    memory follows the running requests alone; tokens are unchanged; a cap of two blocks
+    still serves the most recent prompt's blocks."""
+    vocab = model.config.vocab_size
+    bindings = 2 * model.config.num_layers
+    block_bytes = BLOCK * 512 * bindings
+    prompts = [[int(t) for t in rng.integers(3, vocab, 3 * BLOCK + 2)] for _ in range(6)]
+    for cap in (0, 2 * block_bytes):
+        with engine(model, arenas(), max_slots=2, prefix_cache_bytes=cap) as eng:
+            reqs = []
+            for p in prompts:
+                reqs.append(eng.submit(p, 12, stop_token_ids=[]))
+                eng.step()
+                assert eng.cache.cached_only_bytes <= cap
+            while eng.has_work():
+                eng.step()
+                eng.check_memory()
+                assert eng.cache.cached_only_bytes <= cap
+            assert eng.prefix.stats.evicted_blocks > 0
+            if cap == 0:
+                assert eng.cache.committed_bytes == 0  # nothing running, nothing kept
+            again = eng.submit(prompts[-1], 12, stop_token_ids=[])
+            hits = eng.prefix.stats.hit_tokens
+            eng.run_until_idle()
+            # The last prompt's first two blocks are the most recently used ones.
+            assert eng.prefix.stats.hit_tokens - hits == (0 if cap == 0 else 2 * BLOCK)
+        for p, r in zip(prompts, reqs, strict=True):
+            assert r.result().tokens == generator.generate([p], 12, stop_tokens=[]).tokens[0]
+        assert again.result().tokens == reqs[-1].result().tokens
+    with pytest.raises(ValueError, match="prefix_cache_bytes"):
+        engine(model, arenas(), prefix_cache_bytes=-1)
+
+
 def test_cancel_and_preempt_while_blocks_are_shared(model, generator, rng, arenas):
     vocab = model.config.vocab_size
     prefix = [int(t) for t in rng.integers(3, vocab, 2 * BLOCK)]
