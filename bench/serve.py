@@ -28,8 +28,10 @@ N requests (the 8B static run of 1,000 requests takes minutes).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import json
+import pstats
 import math
 import os
 import sys
@@ -187,6 +189,8 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> 
         calls = (lambda: int(sum(cuda.host_calls().values()))) if cuda is not None else None
         host_calls: list[int] = []  # per decode-only step: 0 = the recorded graph replayed
         prefill_host_calls: list[int] = []  # the same per prefill step (a bucket's own graph)
+        # --profile: cProfile over the engine's steps (its own cost inflates the host time).
+        profiler = cProfile.Profile() if args.profile else None
         nxt, t0 = 0, time.perf_counter()
         beat = Heartbeat(eng, n)
         while nxt < n or eng.has_work():
@@ -202,7 +206,11 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> 
                 continue
             live_before = cache.live_bytes
             calls0 = calls() if calls else 0
+            if profiler is not None:
+                profiler.enable()
             eng.step()
+            if profiler is not None:
+                profiler.disable()
             t = time.perf_counter() - t0
             for i in list(live):
                 k = reqs[i].streamed
@@ -232,6 +240,9 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> 
         for i, r in enumerate(reqs):
             c = r.result()
             assert len(c.tokens) == wl.news[i], (i, c.finish_reason)
+        if profiler is not None:
+            print("cProfile of Engine.step, by own time:")
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
         s = eng.stats
         a1 = cache.arena.stats() if cache.is_vmm else None
         out = latency_metrics(times, arrivals, wl)
@@ -588,6 +599,8 @@ def main() -> None:
     ap.add_argument("--static-rates", default="inf", help="rates the static Generator runs at")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="print the top N functions of a cProfile of the Engine's steps")
     args = ap.parse_args()
 
     config = dataclasses.replace(

@@ -4,6 +4,7 @@
 #   bash scripts/device_run.sh [stages...]   stages: build ops ops-off gen cache attn generate profile san pytests
 #     prefill-profile failsafe vmm-san soak serving prefill-bench serve serve-prefix serve-http issue20
 #     engine-step tile-grid
+# SERVE_ARGS passes options to bench/serve.py (e.g. "--profile 30").
 # GEN_MODELS, GEN_BATCH, GEN_TOKENS, GEN_IMPLS, GEN_TIMEOUT set bench/generate.py's run.
 # ATTN_ARGS passes options to bench/attention.py (e.g. "--decode-kernel auto,simt"), ATTN_TIMEOUT
 # its time limit in seconds (200); PROF_ARGS / PROF_TIMEOUT the same for bench/step_profile.py;
@@ -104,7 +105,7 @@ for s in $STAGES; do
         --dtype bfloat16 --slots ${SERVE_SLOTS:-64} --max-len ${SERVE_MAX_LEN:-32768} \
         --requests ${SERVE_REQUESTS:-200} --rates ${SERVE_RATES:-inf} \
         --engines ${SERVE_ENGINES:-jax_kv,dense,static} --dense-slots ${SERVE_DENSE_SLOTS:-24} \
-        --static-requests ${SERVE_STATIC:-64} --out "$OUT" 2>&1 \
+        --static-requests ${SERVE_STATIC:-64} --out "$OUT" ${SERVE_ARGS:-} 2>&1 \
         | grep -v -E "^\s*$|WARNING|gpu_hlo_schedule|rematerialization" | tee "$OUT/serve.log" | tail -30 ;;
     engine-step)
       stage "bench/engine_step.py: the Engine's decode step taken apart, against the Generator's"
