@@ -599,8 +599,13 @@ def main() -> None:
     ap.add_argument("--static-rates", default="inf", help="rates the static Generator runs at")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="print the top N functions of a cProfile of the Engine's steps")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print the top N functions of a cProfile of the Engine's steps",
+    )
     args = ap.parse_args()
 
     config = dataclasses.replace(
