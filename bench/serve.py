@@ -31,9 +31,9 @@ import argparse
 import cProfile
 import dataclasses
 import json
-import pstats
 import math
 import os
+import pstats
 import sys
 import time
 from pathlib import Path
