@@ -276,6 +276,13 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> 
             host_ms_per_step=float(np.mean(host) * 1e3),
             host_fraction=float(np.sum(host) / np.sum(steps)),
             **arena_ms,
+            # Unmaps of ended requests' slots done while the next call ran (inside the calls'
+            # time): host work the device hid, or did not, if it passed the call's own time.
+            release_beside_step_ms_per_step=(
+                s.release_beside_step_seconds - s0.release_beside_step_seconds
+            )
+            * 1e3
+            / max(1, len(host)),
             mean_prefix_cached_only_bytes=float(np.mean(cached_only)),
             requests_held_over_live_plus_floor=float(
                 (np.mean(held) - np.mean(cached_only))
@@ -444,8 +451,10 @@ def print_row(rate: str, name: str, m: dict, args) -> None:
             f"scheduling {m['host_ms_per_step']:.2f} ms/step "
             f"({100 * m['host_fraction']:.1f}%"
             + (
-                f"; of it commit {m['host_commit_ms_per_step']:.2f}, share "
+                f"; arena work per step: commit {m['host_commit_ms_per_step']:.2f}, share "
                 f"{m['host_share_ms_per_step']:.2f}, unmap {m['host_decommit_ms_per_step']:.2f}"
+                f" ms, of which {m['release_beside_step_ms_per_step']:.2f} ms released ended "
+                f"requests' slots beside the next call"
                 if "host_commit_ms_per_step" in m
                 else ""
             )

@@ -30,7 +30,9 @@ slot in use).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -126,6 +128,7 @@ class SlotCache:
         # CUDA, where the step writes the arena's memory in place.
         self.writes_back = self.is_vmm and self.arena.driver.kind == "cpu"
         self.write_back_bytes = 0
+        self._synchronize = True  # False inside beside_step()
         self.closed = False
         self.lengths = np.zeros((self.num_slots,), np.int32)  # live tokens per slot
         self.granules = np.zeros((self.num_slots,), np.int64)  # per binding, per slot
@@ -367,7 +370,8 @@ class SlotCache:
 
     def release_slot(self, b: int) -> int:
         """Returns slot b's granules (its data reads as zeros after); returns the bytes freed.
-        No step may be in flight that writes slot b (on VMM the device is synchronized)."""
+        No step may be in flight that reads or writes slot b: on VMM the device is synchronized
+        first, except inside beside_step()."""
         self._check_open("release_slot")
         b = self._check_slot("release_slot", b)
         held = int(self.granules[b])
@@ -386,8 +390,23 @@ class SlotCache:
         self._write_committed()  # the bound first: no later step may write the slot
         if self.is_vmm:
             base = b * self.slot_bytes
-            self.arena.decommit_now([(r, base, base + held * self.granule) for r in self.regions])
+            self.arena.decommit_now(
+                [(r, base, base + held * self.granule) for r in self.regions],
+                synchronize=self._synchronize,
+            )
         return freed * self.granule * self.bindings
+
+    @contextlib.contextmanager
+    def beside_step(self) -> Iterator[None]:
+        """Inside it, release_slot and evict unmap without synchronizing the device, so the
+        unmaps overlap a step in flight. For a caller whose step in flight leaves every slot
+        released here idle (write bound 0, length 0: the ops neither read nor write it) and
+        maps none of the store blocks evicted here (no slot maps them)."""
+        self._synchronize = False
+        try:
+            yield
+        finally:
+            self._synchronize = True
 
     # -- the prefix store (VMM) ----------------------------------------------------------------
 
@@ -467,7 +486,9 @@ class SlotCache:
         if self.store_refs[s]:
             raise ValueError(f"evict: store block {s} is mapped by {self.store_refs[s]} slot(s)")
         n = self._block_bytes()
-        self.arena.decommit_now([(r, s * n, s * n + n) for r in self.store])
+        self.arena.decommit_now(
+            [(r, s * n, s * n + n) for r in self.store], synchronize=self._synchronize
+        )
         self._store_free.append(s)
         owner = self.store_owner.pop(s, None)
         if owner is not None:

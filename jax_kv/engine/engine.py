@@ -27,6 +27,7 @@ one chunk's compute at most, and never stops them.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import threading
 import time
@@ -92,6 +93,10 @@ class EngineStats:
     peak_live_bytes: int = 0
     host_seconds: float = 0.0  # step time outside the jitted calls' device work
     step_seconds: float = 0.0
+    # Slots of requests that ended in a call, released while the next call ran (their rows
+    # idle in it): the unmaps overlap the device instead of adding to the step.
+    releases_beside_step: int = 0
+    release_beside_step_seconds: float = 0.0  # inside the calls' time, not host_seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,6 +264,9 @@ class Engine:
         self._accepting = True  # guarded by _lock
         self._failure: BaseException | None = None
         self._slots: list[_Seq | None] = [None] * self.max_slots  # the step's thread only
+        # Slots whose request ended in the last call, released beside the next one (_retire):
+        # neither running nor free until then. The step's thread only.
+        self._retiring: dict[int, _Seq] = {}
         self._admissions = 0
         self._traces = {"prefill": 0, "decode": 0}
         # The caches are donated: XLA writes the arena's memory in place (SlotCache.writes_back:
@@ -490,7 +498,7 @@ class Engine:
     def has_work(self) -> bool:
         with self._lock:
             queued = bool(self._queue)
-        return queued or any(s is not None for s in self._slots)
+        return queued or self._holds_slots()
 
     def step(self) -> bool:
         """One scheduling iteration; returns whether any work remains. Call it from one
@@ -508,6 +516,8 @@ class Engine:
                 prefill_s = self._run_prefill(counts, rows)
             elif rows:
                 decode_s = self._run_decode(rows)
+            else:
+                self._retire(beside_step=False)  # no call to overlap
         except BaseException as error:
             self._fail(error)
             raise
@@ -582,12 +592,11 @@ class Engine:
         """Admits queued requests, FIFO, into free slots while the prefill call has room and
         the head's first piece (what it prefills in this call) can be committed; the head
         never preempts to get in. Returns the room left."""
-        while room > 0 and None in self._slots:
+        while room > 0 and (b := self._free_slot()) is not None:
             with self._lock:
                 if not self._queue:
                     break
                 seq = self._queue[0]
-            b = self._slots.index(None)
             hits, partial = self._lookup(seq)
             if partial is not None and self.cache.block_bytes > self.cache.available_bytes():
                 partial = None  # its private copy does not fit: its tokens are prefilled
@@ -619,6 +628,12 @@ class Engine:
             room -= n
         return room
 
+    def _free_slot(self) -> int | None:
+        for b, seq in enumerate(self._slots):
+            if seq is None and b not in self._retiring:
+                return b
+        return None
+
     def _lookup(self, seq: _Seq) -> tuple[list, Any]:
         """The cached full blocks seq's tokens start with and a cached partial block after
         them, leaving at least one token to prefill (its logits give the next token)."""
@@ -645,6 +660,9 @@ class Engine:
         try:
             self.cache.ensure_slot(b, tokens)
         except ArenaExhausted:
+            if self._retiring:  # memory the last call's ended requests still hold
+                self._retire(beside_step=False)
+                return self._commit(b, tokens)
             if self.prefix is None:
                 raise
             need = self.cache.bytes_for(tokens) - int(self.cache.granules[b]) * (
@@ -686,15 +704,38 @@ class Engine:
         """Releases seq's slot and memory; it keeps its tokens and waits at the queue's head
         to be re-prefilled."""
         assert seq.slot is not None
-        self._cache_partial(seq)
-        self.cache.release_slot(seq.slot)
-        self._trim_prefix()
         self._slots[seq.slot] = None
-        seq.slot, seq.cached, seq.blocks = None, 0, []
+        self._release(seq, keep_partial=True)
+        seq.cached, seq.blocks = 0, []
         seq.preemptions += 1
         self.stats.preemptions += 1
         with self._lock:
             self._queue.appendleft(seq)
+
+    def _release(self, seq: _Seq, keep_partial: bool) -> None:
+        """Returns seq's slot and its granules (the block it ends in cached first, unless
+        the slot's bytes are not to be trusted)."""
+        assert seq.slot is not None
+        if keep_partial:
+            self._cache_partial(seq)
+        self.cache.release_slot(seq.slot)
+        seq.slot = None
+        self._trim_prefix()
+
+    def _retire(self, beside_step: bool) -> None:
+        """Releases the slots of the requests that ended in the last call. beside_step: a
+        call is in flight, which leaves those rows idle (they were not planned into it), so
+        the unmaps need not wait for it (SlotCache.beside_step)."""
+        if not self._retiring:
+            return
+        t0 = time.perf_counter()
+        with self.cache.beside_step() if beside_step else contextlib.nullcontext():
+            while self._retiring:
+                b = next(iter(self._retiring))
+                self._release(self._retiring.pop(b), keep_partial=True)
+                self.stats.releases_beside_step += beside_step
+        if beside_step:
+            self.stats.release_beside_step_seconds += time.perf_counter() - t0
 
     def _trim_prefix(self) -> None:
         """Evicts least recently used blocks no running request maps past
@@ -839,6 +880,7 @@ class Engine:
         out, caches, status = step(self.params, *args, *self._sampling_args())
         compiled = self._traces[kind] - traces
         self._accept(caches, verify=bool(compiled))
+        self._retire(beside_step=True)  # while the call runs
         sampled, status = _host(out), _host(status)
         seconds = time.perf_counter() - t0
         if kind == "prefill":
@@ -898,16 +940,19 @@ class Engine:
             text += seq.text.finish()
         seq.request._push([Delta(token, text)])
         if reason is not None:
-            self._finish(seq, reason)
+            self._finish(seq, reason, defer=True)
 
-    def _finish(self, seq: _Seq, reason: str, error: BaseException | None = None) -> None:
+    def _finish(
+        self, seq: _Seq, reason: str, error: BaseException | None = None, *, defer: bool = False
+    ) -> None:
+        """Ends seq's request. defer: its slot is released beside the next call (_retire),
+        for a request that ended on a call's token, with its bytes valid."""
         if seq.slot is not None:
-            if reason != FINISH_ERROR:  # after an error the slot's bytes are not trusted
-                self._cache_partial(seq)
-            self.cache.release_slot(seq.slot)
-            self._trim_prefix()
             self._slots[seq.slot] = None
-            seq.slot = None
+            if defer:
+                self._retiring[seq.slot] = seq
+            else:  # after an error the slot's bytes are not trusted: no block is cached
+                self._release(seq, keep_partial=reason != FINISH_ERROR)
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         seq.request._finish(
             Completion(
@@ -937,6 +982,12 @@ class Engine:
             self._accepting = False
             queued = list(self._queue)
             self._queue.clear()
+        for seq in self._retiring.values():  # ended before the failure; their slots go
+            try:
+                self._release(seq, keep_partial=False)
+            except Exception:  # noqa: BLE001 - the cache may be broken
+                seq.slot = None
+        self._retiring.clear()
         for seq in [*self._active(), *queued]:
             try:
                 self._finish(seq, FINISH_ERROR, error)
@@ -962,7 +1013,7 @@ class Engine:
         one granule per (binding, slot in use) plus the cached prefix blocks no slot maps, and
         on VMM that the arena's physical bytes are what the cache counts."""
         cache = self.cache
-        in_use = sum(s is not None for s in self._slots)
+        in_use = sum(s is not None for s in self._slots) + len(self._retiring)
         live = cache.live_unique_bytes
         limit = live + cache.floor_bytes(in_use) + cache.cached_only_bytes
         if cache.held_bytes > limit:
@@ -1007,7 +1058,7 @@ class Engine:
                 return
 
     def _holds_slots(self) -> bool:
-        return any(s is not None for s in self._slots)
+        return bool(self._retiring) or any(s is not None for s in self._slots)
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stops accepting requests; with drain, finishes the running and queued ones (after
@@ -1049,6 +1100,8 @@ class Engine:
 
     def _free(self) -> None:
         try:
+            if self._failure is None:
+                self._retire(beside_step=False)
             self._inputs.close()
         finally:
             self.cache.close()

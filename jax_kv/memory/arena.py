@@ -1027,7 +1027,9 @@ class VmmArena:
             self._unmap_granules(todo)
             return len(todo) * g
 
-    def decommit_now(self, ranges: Iterable[tuple[Region, int, int]]) -> int:
+    def decommit_now(
+        self, ranges: Iterable[tuple[Region, int, int]], *, synchronize: bool = True
+    ) -> int:
         """Unmaps the granules of each granule-aligned [start, end) of a region now, even
         under a live view (flush() leaves those alone); returns the bytes unmapped.
 
@@ -1036,6 +1038,9 @@ class VmmArena:
         still reads the granules) and each granule is mapped back to the read-only zero
         granule in the same locked section: a live view reads zeros where it read the data,
         and a write there would fault, so kernels must bound writes by the committed tokens.
+        `synchronize=False` skips the synchronize, for a caller that knows no queued or
+        running work touches the ranges (an engine's slot that the step in flight leaves
+        idle): the unmap then overlaps that work instead of waiting for it.
         """
         g = self.granule
         indices: set[int] = set()
@@ -1051,23 +1056,24 @@ class VmmArena:
             todo = sorted(i for i in indices if i in self._state.mapped)
             self._pending.difference_update(todo)
             if todo:
-                self._unmap_granules(todo)
+                self._unmap_granules(todo, synchronize=synchronize)
             return len(todo) * g
 
-    def _unmap_granules(self, todo: list[int]) -> None:
+    def _unmap_granules(self, todo: list[int], *, synchronize: bool = True) -> None:
         """Unmaps mapped granules (sorted indices) after a device synchronize, pools or
         releases their handles and maps the zero granule back where a live region has them.
         Called with the lock held."""
         t0 = time.perf_counter()
         try:
-            self._unmap_and_pool(todo)
+            self._unmap_and_pool(todo, synchronize)
         finally:
             self._decommit_seconds += time.perf_counter() - t0
 
-    def _unmap_and_pool(self, todo: list[int]) -> None:
+    def _unmap_and_pool(self, todo: list[int], synchronize: bool) -> None:
         g, d = self.granule, self._state.driver
         d.make_current()
-        d.synchronize()
+        if synchronize:
+            d.synchronize()
         s = self._state
         unmapped: list[int] = []
         for index in todo:

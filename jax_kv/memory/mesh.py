@@ -198,9 +198,14 @@ class MeshArena:
             raise
         return _sum_reports(reports)
 
-    def decommit_now(self, ranges: Iterable[tuple[MeshRegion, int, int]]) -> int:
+    def decommit_now(
+        self, ranges: Iterable[tuple[MeshRegion, int, int]], *, synchronize: bool = True
+    ) -> int:
         per = self._per_arena(ranges)
-        return sum(a.decommit_now(local) for a, local in zip(self.arenas, per, strict=True))
+        return sum(
+            a.decommit_now(local, synchronize=synchronize)
+            for a, local in zip(self.arenas, per, strict=True)
+        )
 
     def share(
         self, src: MeshRegion, src_offset: int, dst: MeshRegion, dst_offset: int, nbytes: int,

@@ -233,3 +233,31 @@ def test_a_refused_budget_leaves_the_arena_as_it_was():
     finally:
         gc.collect()
         arena.close()
+
+
+def test_beside_step_releases_without_waiting_for_the_device(arena, monkeypatch):
+    """Inside beside_step() release_slot unmaps without a device synchronize (the engine's
+    step in flight leaves the slot idle); outside it synchronizes first. Either way the slot
+    then reads zeros, the other slots keep their data and the bound drops to 0."""
+    if arena is None:
+        pytest.skip("the eager path unmaps nothing")
+    syncs = []
+    driver = arena._state.driver
+    real = driver.synchronize
+    monkeypatch.setattr(driver, "synchronize", lambda: (syncs.append(1), real())[1])
+    with make(arena, max_len=2 * granule_tokens(arena)) as cache:
+        g_tokens = cache.granule // cache.token_bytes
+        for b in (0, 1, 2):
+            cache.ensure_slot(b, g_tokens + 1)
+            write_token_rows(cache, b, g_tokens + 1, float(b + 1))
+        syncs.clear()  # (the probe cache of granule_tokens closed with one)
+        with cache.beside_step():
+            assert cache.release_slot(0) == 2 * cache.bindings * cache.granule
+        assert syncs == []
+        cache.release_slot(1)
+        assert syncs == [1]
+        assert now(cache.committed).tolist() == [0, 0, 2 * g_tokens, 0]
+        for a in (*cache.k, *cache.v):
+            host = now(a)
+            assert (host[:2] == 0).all() and (host[2, : g_tokens + 1] == 3).all()
+        assert cache.committed_bytes == cache.held_bytes == 2 * cache.bindings * cache.granule

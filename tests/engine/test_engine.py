@@ -454,3 +454,54 @@ def test_the_default_budget_holds_max_len_in_whole_granules(model):
         req = eng.submit([5] * 150, 50, stop_token_ids=[])
         eng.run_until_idle()
         assert len(req.result().tokens) == 50
+
+
+def test_an_ended_requests_slot_is_released_beside_the_next_call(model, generator, rng, engine):
+    """A request that ends on a call's token has its result at once; its slot is released
+    while the next call runs (its row idle in it: not planned into it) and is not admitted
+    into before; the release is counted; with nothing left to call, a step releases it."""
+    a_prompt, b_prompt = prompts(rng, model, [20, 24])
+    with engine(model, max_slots=2) as eng:
+        a = eng.submit(a_prompt, 3, stop_token_ids=[])
+        b = eng.submit(b_prompt, 9, stop_token_ids=[])
+        while not a.done:
+            step_checked(eng)
+        held = eng.cache.held_bytes
+        assert eng.num_running == 1 and eng._retiring and eng.has_work()
+        before = eng.stats.releases_beside_step
+        step_checked(eng)  # b's decode call: a's slot released beside it
+        assert not eng._retiring and eng.stats.releases_beside_step == before + 1
+        # (on VMM the block a ended in stays cached: the prefix cache's, not a's)
+        assert eng.cache.held_bytes - eng.cache.cached_only_bytes < held
+        c = eng.submit(a_prompt, 2, stop_token_ids=[])  # takes a slot only now
+        while eng.has_work():
+            step_checked(eng)
+        assert idle(eng.cache) and not eng._retiring
+        for p, n, r in ((a_prompt, 3, a), (b_prompt, 9, b), (a_prompt, 2, c)):
+            assert r.result().tokens == alone(generator, p, n)
+    # Alone: the last request's slot is released by a step with no call.
+    with engine(model, max_slots=1) as eng:
+        r = eng.submit(a_prompt, 2, stop_token_ids=[])
+        eng.run_until_idle()
+        assert r.done and not eng._retiring and idle(eng.cache)
+
+
+def test_admission_short_of_memory_takes_a_retiring_slots_memory_first(model, rng, engine):
+    """The budget holds one request: the next one is admitted in the step after the first
+    ends (the ended slot's granules released for it at once, the device idle), without a
+    preemption."""
+    tb = token_bytes(model)
+    granule = 16 * tb
+    bindings = 2 * model.config.num_layers
+    first, second = prompts(rng, model, [40, 40])
+    with engine(model, max_slots=2, kv_budget_bytes=3 * granule * bindings) as eng:
+        a = eng.submit(first, 4, stop_token_ids=[])
+        b = eng.submit(second, 4, stop_token_ids=[])
+        while not a.done:
+            step_checked(eng)
+        assert eng.num_waiting == 1 and eng._retiring
+        step_checked(eng)
+        assert eng.num_running == 1 and not eng._retiring
+        assert eng.stats.releases_beside_step == 0  # released at planning, not beside
+        eng.run_until_idle()
+        assert b.result().finish_reason == FINISH_LENGTH and eng.stats.preemptions == 0
