@@ -400,8 +400,11 @@ class SlotCache:
     def beside_step(self) -> Iterator[None]:
         """Inside it, release_slot and evict unmap without synchronizing the device, so the
         unmaps overlap a step in flight. For a caller whose step in flight leaves every slot
-        released here idle (write bound 0, length 0: the ops neither read nor write it) and
-        maps none of the store blocks evicted here (no slot maps them)."""
+        released here idle and maps none of the store blocks evicted here (no slot maps them).
+        Idle: length 0 and, for a decode row, write bound 0; for a prefill call's row, no
+        packed tokens. A prefill call takes `committed` as its bound, and release_slot
+        rewrites it in place while the call runs: the kernel reads a row's bound only for its
+        packed tokens, and the other rows' values are rewritten unchanged."""
         self._synchronize = False
         try:
             yield

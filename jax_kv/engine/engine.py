@@ -592,12 +592,20 @@ class Engine:
         """Admits queued requests, FIFO, into free slots while the prefill call has room and
         the head's first piece (what it prefills in this call) can be committed; the head
         never preempts to get in. Returns the room left."""
-        while room > 0 and (b := self._free_slot()) is not None:
+        while room > 0:
             with self._lock:
                 if not self._queue:
                     break
                 seq = self._queue[0]
+            b = self._free_slot()
+            if b is None:  # the head needs an ended request's slot now (the device is idle)
+                if not self._retiring:
+                    break
+                b = next(iter(self._retiring))
+                self._retire(beside_step=False, only=b)
             hits, partial = self._lookup(seq)
+            if partial is not None and self.cache.block_bytes > self.cache.available_bytes():
+                self._retire(beside_step=False)  # the memory ended requests still hold
             if partial is not None and self.cache.block_bytes > self.cache.available_bytes():
                 partial = None  # its private copy does not fit: its tokens are prefilled
             start = len(hits) * self.cache.block_tokens + (len(partial.tokens) if partial else 0)
@@ -722,17 +730,17 @@ class Engine:
         seq.slot = None
         self._trim_prefix()
 
-    def _retire(self, beside_step: bool) -> None:
-        """Releases the slots of the requests that ended in the last call. beside_step: a
-        call is in flight, which leaves those rows idle (they were not planned into it), so
-        the unmaps need not wait for it (SlotCache.beside_step)."""
+    def _retire(self, beside_step: bool, only: int | None = None) -> None:
+        """Releases the slots of the requests that ended in the last call (or slot `only`;
+        the block each ended in was cached when it ended). beside_step: a call is in flight,
+        which leaves those rows idle (they were not planned into it), so the unmaps need not
+        wait for it (SlotCache.beside_step)."""
         if not self._retiring:
             return
         t0 = time.perf_counter()
         with self.cache.beside_step() if beside_step else contextlib.nullcontext():
-            while self._retiring:
-                b = next(iter(self._retiring))
-                self._release(self._retiring.pop(b), keep_partial=True)
+            for b in [only] if only is not None else list(self._retiring):
+                self._release(self._retiring.pop(b), keep_partial=False)
                 self.stats.releases_beside_step += beside_step
         if beside_step:
             self.stats.release_beside_step_seconds += time.perf_counter() - t0
@@ -950,6 +958,9 @@ class Engine:
         if seq.slot is not None:
             self._slots[seq.slot] = None
             if defer:
+                # Cached now, so that a request continuing it (a chat's next turn) can map it
+                # from the next step on; only the unmaps wait for the next call.
+                self._cache_partial(seq)
                 self._retiring[seq.slot] = seq
             else:  # after an error the slot's bytes are not trusted: no block is cached
                 self._release(seq, keep_partial=reason != FINISH_ERROR)

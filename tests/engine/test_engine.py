@@ -505,3 +505,21 @@ def test_admission_short_of_memory_takes_a_retiring_slots_memory_first(model, rn
         assert eng.stats.releases_beside_step == 0  # released at planning, not beside
         eng.run_until_idle()
         assert b.result().finish_reason == FINISH_LENGTH and eng.stats.preemptions == 0
+
+
+def test_a_queued_request_takes_an_ended_requests_slot_in_the_next_step(model, rng, engine):
+    """Slots short, memory not: the queue's head takes the slot of a request that ended on
+    the last call in the very next step (released at planning), so one slot serves requests
+    back to back with no step without a call. (Found by review: a released-beside-the-call
+    slot made every request cost one more step: 24 steps for 18 calls.)"""
+    ps = prompts(rng, model, [12, 9, 15])
+    with engine(model, max_slots=1) as eng:
+        reqs = [eng.submit(p, 3, stop_token_ids=[]) for p in ps]
+        calls = 0
+        while eng.has_work():
+            step_checked(eng)
+            calls += bool(eng.last_step.prefill_tokens or eng.last_step.decode_rows)
+        assert all(r.result().finish_reason == FINISH_LENGTH for r in reqs)
+        # Per request: a prefill call (its first token), 2 decode calls; then one step that
+        # releases the last slot.
+        assert calls == 3 * 3 and eng.stats.steps == calls + 1
