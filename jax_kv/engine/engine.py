@@ -96,6 +96,7 @@ class EngineStats:
     # Slots of requests that ended in a call, released while the next call ran (their rows
     # idle in it): the unmaps overlap the device instead of adding to the step.
     releases_beside_step: int = 0
+    commits_ahead: int = 0  # decoding rows' next granules committed while a call ran
     release_beside_step_seconds: float = 0.0  # inside the calls' time, not host_seconds
 
 
@@ -832,7 +833,7 @@ class Engine:
         inputs = self._inputs
         sampled, status, seconds = self._call(
             "prefill", inputs[name], inputs["cu_seqlens"], self._caches(), inputs["lengths"],
-            self.cache.committed, inputs["tokens"], inputs["bound"],
+            self.cache.committed, inputs["tokens"], inputs["bound"], rows=rows,
         )  # fmt: skip
         self.stats.prefill_calls += 1
         self.stats.mixed_calls += bool(rows)
@@ -858,8 +859,9 @@ class Engine:
         self._write_inputs(rows)
         inputs = self._inputs
         sampled, status, seconds = self._call(
-            "decode", inputs["tokens"], self._caches(), inputs["lengths"], inputs["bound"]
-        )
+            "decode", inputs["tokens"], self._caches(), inputs["lengths"], inputs["bound"],
+            rows=rows,
+        )  # fmt: skip
         self.stats.decode_calls += 1
         self._advance(rows, sampled, status)
         return seconds
@@ -878,10 +880,13 @@ class Engine:
             self.stats.decode_tokens += 1
             self._emit(seq, int(sampled[b]))
 
-    def _call(self, kind: str, *args: Any) -> tuple[np.ndarray, np.ndarray, float]:
+    def _call(
+        self, kind: str, *args: Any, rows: list[_Seq]
+    ) -> tuple[np.ndarray, np.ndarray, float]:
         """Runs the `kind` step on (params, *args, sampling) -> (sampled tokens [B], status
         [B] on the host, seconds until they were there); counts its compiles (a compile is
-        a trace) and takes its caches."""
+        a trace) and takes its caches. While it runs, the ended requests' slots are released
+        and the decoding `rows`' next granules committed."""
         step = self._prefill if kind == "prefill" else self._decode
         traces = self._traces[kind]
         t0 = time.perf_counter()
@@ -889,6 +894,7 @@ class Engine:
         compiled = self._traces[kind] - traces
         self._accept(caches, verify=bool(compiled))
         self._retire(beside_step=True)  # while the call runs
+        self._commit_ahead(rows)
         sampled, status = _host(out), _host(status)
         seconds = time.perf_counter() - t0
         if kind == "prefill":
@@ -896,6 +902,23 @@ class Engine:
         else:
             self.stats.decode_compiles += compiled
         return sampled, status, seconds
+
+    def _commit_ahead(self, rows: list[_Seq]) -> None:
+        """Commits, while the call runs, the granule a decoding row's next token enters (a
+        row crosses into one every granule's tokens: 64 bindings' commits at 8B), so the next
+        step's planning finds it backed. The new granules lie past the bound the call was
+        given; a row that ends on this call's token by length gets none. Short of memory it
+        stops: the next planning evicts, preempts or waits, as before."""
+        backed = self.cache.committed_tokens()
+        for seq in rows:
+            b, need = seq.slot, seq.cached + 2
+            if need <= backed[b] or need > self.max_len or len(seq.generated) + 1 >= seq.max_new:
+                continue
+            try:
+                self.cache.ensure_slot(b, need)
+            except ArenaExhausted:
+                return
+            self.stats.commits_ahead += 1
 
     def _decode_bound(self, rows: list[_Seq]) -> np.ndarray:
         """The write bound of this decode call: the cache's committed tokens, 0 (idle) for

@@ -523,3 +523,24 @@ def test_a_queued_request_takes_an_ended_requests_slot_in_the_next_step(model, r
         # Per request: a prefill call (its first token), 2 decode calls; then one step that
         # releases the last slot.
         assert calls == 3 * 3 and eng.stats.steps == calls + 1
+
+
+def test_a_decoding_rows_next_granule_is_committed_while_the_call_runs(
+    model, generator, rng, engine
+):
+    """A decoding row about to enter a new granule has it committed beside the call (so the
+    next planning commits nothing for it), within the floor of one granule per slot; a row
+    ending by length gets none; tokens are unchanged."""
+    (p,) = prompts(rng, model, [10])
+    with engine(model, max_slots=1) as eng:
+        r = eng.submit(p, 40, stop_token_ids=[])  # 10 + 40 tokens: granules of 16 at 16, 32, 48
+        while eng.has_work():
+            step_checked(eng)
+            slot = eng._slots[0]
+            if slot is not None and slot.generated:
+                backed = int(eng.cache.committed_tokens()[0])
+                assert slot.cached + 1 <= backed <= slot.cached + 1 + 16  # the next token's
+        # The cache ends holding 49 tokens (the last one sampled is never written): the
+        # granules from 16, 32 and 48 are committed ahead, the first by the prefill.
+        assert eng.stats.commits_ahead == 3
+        assert r.result().tokens == alone(generator, p, 40)

@@ -141,10 +141,10 @@ def instrument(eng, log):
 
     real_call = eng._call
 
-    def call(kind, *args):
+    def call(kind, *args, **kw):
         state["accepted"] = False
         try:
-            return real_call(kind, *args)
+            return real_call(kind, *args, **kw)
         finally:
             state["accepted"] = False
 
