@@ -37,6 +37,11 @@ def main() -> None:
     ap.add_argument("--no-prefix", action="store_true", help="the prefix cache off")
     ap.add_argument("--decode-only", action="store_true", help="100-token prompts, 400 out")
     ap.add_argument("--profile", action="store_true", help="cProfile the steps (top 25)")
+    ap.add_argument(
+        "--no-hand-over",
+        action="store_true",
+        help="an ended slot is released and committed again, never handed over",
+    )
     args = ap.parse_args()
 
     # 1 KV head of 32 bf16: 64-byte tokens, 1,024 to a 64 KiB granule, as 2 KiB tokens are to
@@ -57,10 +62,13 @@ def main() -> None:
     rng = np.random.default_rng(0)
     B, n = eng.max_slots, args.requests
 
-    def stub(kind, *step_args):  # (sampled [B], status [B], device seconds)
+    def stub(kind, *step_args, rows):  # (sampled [B], status [B], device seconds)
         return rng.integers(3, 500, B).astype(np.int32), np.zeros(B, np.int32), 0.0
 
     eng._call = stub
+    if args.no_hand_over:
+        eng.cache.owns_all = lambda b: False
+    counts0 = arena.stats()
     if args.decode_only:
         prompts, outs = np.full(n, 100), np.full(n, 400)
     else:  # bench/serve.py's mixed workload
@@ -91,6 +99,15 @@ def main() -> None:
         f"{np.median(busy) if len(busy) else float('nan'):.2f} ms median; the bench's reads "
         f"{np.mean(read_s) * 1e3:.3f} ms/step"
     )  # fmt: skip
+    c = arena.stats()
+    kinds = ("map", "unmap", "set_access", "zero_map", "zero_access", "zero_fill")
+    calls = {k: getattr(c, f"{k}_calls") - getattr(counts0, f"{k}_calls") for k in kinds}
+    print(
+        "driver calls per request: "
+        + ", ".join(f"{k} {v / n:.0f}" for k, v in calls.items())
+        + f"; slots handed over {eng.stats.slots_handed_over}, releases beside a call "
+        f"{eng.stats.releases_beside_step}, commits ahead {eng.stats.commits_ahead}"
+    )
     if args.profile:
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     eng.close()

@@ -396,6 +396,44 @@ class SlotCache:
             )
         return freed * self.granule * self.bindings
 
+    def owns_all(self, b: int) -> bool:
+        """Whether slot b's granules are all its own: none mapped from the prefix store or
+        into it (hand_over's condition)."""
+        return not self.slot_shared[b] and not self.slot_cached[b]
+
+    def hand_over(self, b: int, tokens: int) -> int:
+        """Gives slot b, as it is, to a new request that needs `tokens` tokens: the granules
+        those take stay mapped (no unmap, no map, no zero fill: ~7 driver calls per granule
+        and binding saved against release_slot then ensure_slot), the rest are released.
+        Returns the bytes freed. Only for a slot whose granules are all its own (none mapped
+        from or into the prefix store: those hold others' tokens). The old request's bytes
+        past the new one's tokens stay until it writes them: the ops never read past a row's
+        length. No step may be in flight that reads or writes slot b.
+
+        Raises:
+            ValueError: slot b shares granules with the prefix store.
+            CapacityError: tokens > max_len.
+        """
+        self._check_open("hand_over")
+        b = self._check_slot("hand_over", b)
+        if not self.owns_all(b):
+            raise ValueError(f"hand_over: slot {b} shares granules with the prefix store")
+        if not 0 <= tokens <= self.max_len:
+            raise CapacityError(
+                f"hand_over: {tokens} tokens outside [0, max_len={self.max_len}] (slot {b})"
+            )
+        held = int(self.granules[b])
+        keep = min(held, self.granules_for(tokens))
+        self.lengths[b] = 0
+        self.granules[b] = keep
+        self._write_committed()
+        if self.is_vmm and keep < held:
+            base = b * self.slot_bytes
+            self.arena.decommit_now(
+                [(r, base + keep * self.granule, base + held * self.granule) for r in self.regions]
+            )
+        return (held - keep) * self.granule * self.bindings
+
     @contextlib.contextmanager
     def beside_step(self) -> Iterator[None]:
         """Inside it, release_slot and evict unmap without synchronizing the device, so the

@@ -97,6 +97,7 @@ class EngineStats:
     # idle in it): the unmaps overlap the device instead of adding to the step.
     releases_beside_step: int = 0
     commits_ahead: int = 0  # decoding rows' next granules committed while a call ran
+    slots_handed_over: int = 0  # ended requests' slots given to the next with their granules
     release_beside_step_seconds: float = 0.0  # inside the calls' time, not host_seconds
 
 
@@ -599,12 +600,19 @@ class Engine:
                     break
                 seq = self._queue[0]
             b = self._free_slot()
-            if b is None:  # the head needs an ended request's slot now (the device is idle)
-                if not self._retiring:
-                    break
-                b = next(iter(self._retiring))
-                self._retire(beside_step=False, only=b)
+            if b is None and not self._retiring:
+                break
             hits, partial = self._lookup(seq)
+            if b is None:  # the head needs an ended request's slot now (the device is idle)
+                b = next(iter(self._retiring))
+                if hits or partial is not None or not self.cache.owns_all(b):
+                    self._retire(beside_step=False, only=b)
+                    hits, partial = self._lookup(seq)  # the release may have evicted some
+                else:  # its granules serve the head as they are (SlotCache.hand_over)
+                    self._retiring.pop(b).slot = None
+                    first = min(seq.prefill_target, room)
+                    self.cache.hand_over(b, first)
+                    self.stats.slots_handed_over += 1
             if partial is not None and self.cache.block_bytes > self.cache.available_bytes():
                 self._retire(beside_step=False)  # the memory ended requests still hold
             if partial is not None and self.cache.block_bytes > self.cache.available_bytes():

@@ -261,3 +261,30 @@ def test_beside_step_releases_without_waiting_for_the_device(arena, monkeypatch)
             host = now(a)
             assert (host[:2] == 0).all() and (host[2, : g_tokens + 1] == 3).all()
         assert cache.committed_bytes == cache.held_bytes == 2 * cache.bindings * cache.granule
+
+
+def test_hand_over_keeps_the_granules_the_next_request_needs(arena):
+    """hand_over(b, n): the granules n tokens take stay mapped as they are (no map call, the
+    old bytes still there for the new request to overwrite), the rest are released, the bound
+    and length start over; more tokens than held keep all; refusals name the argument."""
+    g_tokens = granule_tokens(arena)
+    with make(arena, max_len=4 * g_tokens) as cache:
+        cache.ensure_slot(1, 3 * g_tokens)
+        if cache.is_vmm:
+            write_token_rows(cache, 1, 3 * g_tokens, 5.0)
+            maps = cache.arena.stats().map_calls
+        cache.lengths[1] = 3 * g_tokens
+        assert cache.hand_over(1, g_tokens + 1) == cache.bindings * cache.granule
+        assert int(cache.granules[1]) == 2 and cache.lengths[1] == 0
+        assert now(cache.committed).tolist() == [0, 2 * g_tokens, 0, 0]
+        assert cache.ensure_slot(1, 2 * g_tokens) == 0
+        if cache.is_vmm:
+            assert cache.arena.stats().map_calls == maps
+            assert cache.committed_bytes == cache.held_bytes == 2 * cache.bindings * cache.granule
+            for a in (*cache.k, *cache.v):
+                host = now(a)
+                assert (host[1, : 2 * g_tokens] == 5).all() and (host[1, 2 * g_tokens :] == 0).all()
+        assert cache.hand_over(1, 4 * g_tokens) == 0 and int(cache.granules[1]) == 2
+        with pytest.raises(CapacityError, match="hand_over: .* max_len"):
+            cache.hand_over(1, 4 * g_tokens + 1)
+        assert cache.release_slot(1) == 2 * cache.bindings * cache.granule

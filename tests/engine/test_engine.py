@@ -544,3 +544,31 @@ def test_a_decoding_rows_next_granule_is_committed_while_the_call_runs(
         # granules from 16, 32 and 48 are committed ahead, the first by the prefill.
         assert eng.stats.commits_ahead == 3
         assert r.result().tokens == alone(generator, p, 40)
+
+
+def test_a_queued_request_takes_an_ended_slots_granules_as_they_are(model, generator, rng,
+                                                                    engine):  # fmt: skip
+    """Without the prefix cache, a queued request given an ended request's slot keeps the
+    granules its first piece needs (SlotCache.hand_over): on VMM fewer map calls than the same
+    requests each taking a released slot; tokens are unchanged."""
+    ps = prompts(rng, model, [40, 30, 35])
+    runs = {}
+    for queued in (True, False):
+        with engine(model, max_slots=1, prefix_cache=False) as eng:
+            arena = eng.cache.arena
+            maps = arena.stats().map_calls if eng.cache.is_vmm else 0
+            if queued:
+                reqs = [eng.submit(p, 6, stop_token_ids=[]) for p in ps]
+                eng.run_until_idle()
+            else:
+                reqs = []
+                for p in ps:
+                    reqs.append(eng.submit(p, 6, stop_token_ids=[]))
+                    eng.run_until_idle()
+            for p, r in zip(ps, reqs, strict=True):
+                assert r.result().tokens == alone(generator, p, 6)
+            assert eng.stats.slots_handed_over == (2 if queued else 0)
+            assert idle(eng.cache)
+            runs[queued] = (arena.stats().map_calls - maps) if eng.cache.is_vmm else 0
+    if runs[False]:
+        assert runs[True] < runs[False], runs
