@@ -248,6 +248,12 @@ class SlotCache:
 
     # -- accounting ----------------------------------------------------------------------------
 
+    def _check_tokens(self, what: str, b: int, tokens: int) -> None:
+        if not 0 <= tokens <= self.max_len:
+            raise CapacityError(
+                f"{what}: {tokens} tokens outside [0, max_len={self.max_len}] (slot {b})"
+            )
+
     def granules_for(self, tokens: int) -> int:
         """Granules per binding a slot of `tokens` tokens needs."""
         return -(-int(tokens) * self.token_bytes // self.granule)
@@ -345,10 +351,7 @@ class SlotCache:
         """
         self._check_open("ensure_slot")
         b = self._check_slot("ensure_slot", b)
-        if not 0 <= tokens <= self.max_len:
-            raise CapacityError(
-                f"ensure_slot: {tokens} tokens outside [0, max_len={self.max_len}] (slot {b})"
-            )
+        self._check_tokens("ensure_slot", b, tokens)
         need = self.granules_for(tokens)
         have = int(self.granules[b])
         if need <= have:
@@ -418,10 +421,7 @@ class SlotCache:
         b = self._check_slot("hand_over", b)
         if not self.owns_all(b):
             raise ValueError(f"hand_over: slot {b} shares granules with the prefix store")
-        if not 0 <= tokens <= self.max_len:
-            raise CapacityError(
-                f"hand_over: {tokens} tokens outside [0, max_len={self.max_len}] (slot {b})"
-            )
+        self._check_tokens("hand_over", b, tokens)
         held = int(self.granules[b])
         keep = min(held, self.granules_for(tokens))
         self.lengths[b] = 0

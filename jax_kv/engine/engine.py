@@ -615,8 +615,8 @@ class Engine:
                     self.stats.slots_handed_over += 1
             if partial is not None and self.cache.block_bytes > self.cache.available_bytes():
                 self._retire(beside_step=False)  # the memory ended requests still hold
-            if partial is not None and self.cache.block_bytes > self.cache.available_bytes():
-                partial = None  # its private copy does not fit: its tokens are prefilled
+                if self.cache.block_bytes > self.cache.available_bytes():
+                    partial = None  # its private copy does not fit: its tokens are prefilled
             start = len(hits) * self.cache.block_tokens + (len(partial.tokens) if partial else 0)
             n = min(seq.prefill_target - start, room)
             try:
