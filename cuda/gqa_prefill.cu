@@ -152,17 +152,17 @@ __global__ void __launch_bounds__(kThreads) GqaPrefillMmaKernel(const GqaParams<
                                       reinterpret_cast<const float (&)[HEAD_DIM / 2]>(o), l);
 }
 
-// One warp per query row: the f32 path (and the reference-style fallback). Grid (T, Hq, B), or
-// (N, Hq, B) packed.
-// NOTE(perf): packed, that is N * Hq * B CTAs, nearly all leaving at once; f32 is the accuracy
-// path, not the fast one.
+// One warp per query row: the f32 path (and the reference-style fallback). Its query blocks are
+// single rows (prefill::PrefillGrid with block_m 1).
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(32) GqaPrefillRowKernel(const GqaParams<T> p) {
   constexpr int kPer = (HEAD_DIM + 31) / 32;
-  const int t = blockIdx.x, qh = blockIdx.y, b = blockIdx.z, lane = threadIdx.x;
+  const int qh = blockIdx.y, lane = threadIdx.x;
+  int b = 0, t = 0;
+  bool status_writer = false;
+  if (!prefill::PrefillBlockOf(p, 1, b, t, status_writer)) return;
   int64_t q_row0 = 0;  // the row of sequence b's token 0 in q, k_new, v_new and out
-  const int2 rows =
-      prefill::PrefillPrologue<T, HEAD_DIM>(p, b, qh, t, 1, blockIdx.x == 0 && qh == 0, q_row0);
+  const int2 rows = prefill::PrefillPrologue<T, HEAD_DIM>(p, b, qh, t, 1, status_writer, q_row0);
   if (rows.x >= rows.y) return;
   const int L = p.lengths[b];
   const int group = p.num_q_heads / p.num_kv_heads, hkv = qh / group;
@@ -229,8 +229,7 @@ cudaError_t LaunchGqaPrefill(const GqaParams<T>& p, cudaStream_t stream, Prefill
     }
   }
   if constexpr (std::is_same_v<T, float>) {
-    const dim3 grid(std::max(1, p.num_tokens), p.num_q_heads, p.batch);
-    GqaPrefillRowKernel<T, HEAD_DIM><<<grid, 32, 0, stream>>>(p);
+    GqaPrefillRowKernel<T, HEAD_DIM><<<prefill::PrefillGrid(p, 1), 32, 0, stream>>>(p);
   } else {
     using Sh = PrefillShape<HEAD_DIM>;
     static std::atomic<uint64_t> configured{0};
@@ -238,7 +237,7 @@ cudaError_t LaunchGqaPrefill(const GqaParams<T>& p, cudaStream_t stream, Prefill
         AllowDynamicSmem(reinterpret_cast<const void*>(GqaPrefillMmaKernel<T, HEAD_DIM>),
                          Sh::kSmemBytes, configured);
     if (allowed != cudaSuccess) return allowed;
-    const dim3 grid(std::max(1, (p.num_tokens + kBlockM - 1) / kBlockM), p.num_q_heads, p.batch);
+    const dim3 grid = prefill::PrefillGrid(p, kBlockM);
     GqaPrefillMmaKernel<T, HEAD_DIM><<<grid, kThreads, Sh::kSmemBytes, stream>>>(p);
   }
   return cudaGetLastError();

@@ -291,9 +291,7 @@ cudaError_t LaunchGqaPrefillWgmmaConfig(const GqaParams<T>& p, cudaStream_t stre
   const cudaError_t allowed =
       AllowDynamicSmem(reinterpret_cast<const void*>(kernel), Sh::kSmemBytes, configured);
   if (allowed != cudaSuccess) return allowed;
-  const dim3 grid(std::max(1, (p.num_tokens + Sh::kBlockM - 1) / Sh::kBlockM), p.num_q_heads,
-                  p.batch);
-  kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(p);
+  kernel<<<prefill::PrefillGrid(p, Sh::kBlockM), Sh::kThreads, Sh::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
 
