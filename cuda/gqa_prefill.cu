@@ -2,7 +2,8 @@
 // past plus the T new tokens, with causal and window block skipping and the append fused in.
 //
 // Grid (ceil(T / 64), Hq, B), 4 warps, 16 query rows per warp; in the packed form (q [N, Hq, D],
-// cu_seqlens) T is N, and the tiles past a sequence's tokens leave at once (PrefillPrologue).
+// cu_seqlens) (ceil(N / 64) + B, Hq): one block per (sequence, query tile) that can hold work,
+// found from cu_seqlens by the block itself (PackedBlockOf), the spare ones leaving at once.
 // Keys at positions < L come from the cache, keys at positions >= L straight from
 // k_new/v_new: no CTA reads a cache slot this launch writes, so the fused append (by the first
 // query head of each group) races with nothing. K/V tiles stream through a 2-stage cp.async

@@ -22,8 +22,8 @@ namespace prefill {
 // 102 before the packed form; nvcc --resource-usage, sm_90a), and 128 keeps D = 64 at the 4
 // CTAs per SM its shared memory allows.
 // NOTE(perf): (B + 1) / 32 loads per lane in each CTA that gets this far (L1 hits: every CTA
-// reads the same array); the tiles past a sequence's tokens, most CTAs of a packed call,
-// leave before it.
+// reads the same array). In the packed grid every block reads cu_seqlens twice, here and in
+// PackedBlockOf; passing that scan's result on would save the second read.
 template <typename T>
 __device__ __forceinline__ bool CuSeqlensOk(const GqaParams<T>& p) {
   if (p.cu_seqlens == nullptr) return true;

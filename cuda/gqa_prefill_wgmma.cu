@@ -9,7 +9,8 @@
 // K/V blocks through a 2-stage cp.async ring, one block ahead, issuing the next block's copies
 // while the tensor cores compute S. The ping-pong shape (not the handler's default yet) lets the
 // two warpgroups run out of step instead, so one's softmax runs under the other's products.
-// The packed form (q [N, Hq, D], cu_seqlens) runs the same grid with T = N.
+// The packed form (q [N, Hq, D], cu_seqlens) runs (ceil(N / 128) + B, Hq): one block per
+// (sequence, query tile) that can hold work (PackedBlockOf).
 #include <algorithm>
 #include <atomic>
 
