@@ -2,7 +2,8 @@
 // past plus the T new tokens, with causal and window block skipping and the append fused in.
 //
 // Grid (ceil(T / 64), Hq, B), 4 warps, 16 query rows per warp; in the packed form (q [N, Hq, D],
-// cu_seqlens) T is N, and the tiles past a sequence's tokens leave at once (PrefillPrologue).
+// cu_seqlens) (ceil(N / 64) + B, Hq): one block per (sequence, query tile) that can hold work,
+// found from cu_seqlens by the block itself (PackedBlockOf), the spare ones leaving at once.
 // Keys at positions < L come from the cache, keys at positions >= L straight from
 // k_new/v_new: no CTA reads a cache slot this launch writes, so the fused append (by the first
 // query head of each group) races with nothing. K/V tiles stream through a 2-stage cp.async
@@ -152,17 +153,17 @@ __global__ void __launch_bounds__(kThreads) GqaPrefillMmaKernel(const GqaParams<
                                       reinterpret_cast<const float (&)[HEAD_DIM / 2]>(o), l);
 }
 
-// One warp per query row: the f32 path (and the reference-style fallback). Grid (T, Hq, B), or
-// (N, Hq, B) packed.
-// NOTE(perf): packed, that is N * Hq * B CTAs, nearly all leaving at once; f32 is the accuracy
-// path, not the fast one.
+// One warp per query row: the f32 path (and the reference-style fallback). Its query blocks are
+// single rows (prefill::PrefillGrid with block_m 1).
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(32) GqaPrefillRowKernel(const GqaParams<T> p) {
   constexpr int kPer = (HEAD_DIM + 31) / 32;
-  const int t = blockIdx.x, qh = blockIdx.y, b = blockIdx.z, lane = threadIdx.x;
+  const int qh = blockIdx.y, lane = threadIdx.x;
+  int b = 0, t = 0;
+  bool status_writer = false;
+  if (!prefill::PrefillBlockOf(p, 1, b, t, status_writer)) return;
   int64_t q_row0 = 0;  // the row of sequence b's token 0 in q, k_new, v_new and out
-  const int2 rows =
-      prefill::PrefillPrologue<T, HEAD_DIM>(p, b, qh, t, 1, blockIdx.x == 0 && qh == 0, q_row0);
+  const int2 rows = prefill::PrefillPrologue<T, HEAD_DIM>(p, b, qh, t, 1, status_writer, q_row0);
   if (rows.x >= rows.y) return;
   const int L = p.lengths[b];
   const int group = p.num_q_heads / p.num_kv_heads, hkv = qh / group;
@@ -229,8 +230,7 @@ cudaError_t LaunchGqaPrefill(const GqaParams<T>& p, cudaStream_t stream, Prefill
     }
   }
   if constexpr (std::is_same_v<T, float>) {
-    const dim3 grid(std::max(1, p.num_tokens), p.num_q_heads, p.batch);
-    GqaPrefillRowKernel<T, HEAD_DIM><<<grid, 32, 0, stream>>>(p);
+    GqaPrefillRowKernel<T, HEAD_DIM><<<prefill::PrefillGrid(p, 1), 32, 0, stream>>>(p);
   } else {
     using Sh = PrefillShape<HEAD_DIM>;
     static std::atomic<uint64_t> configured{0};
@@ -238,7 +238,7 @@ cudaError_t LaunchGqaPrefill(const GqaParams<T>& p, cudaStream_t stream, Prefill
         AllowDynamicSmem(reinterpret_cast<const void*>(GqaPrefillMmaKernel<T, HEAD_DIM>),
                          Sh::kSmemBytes, configured);
     if (allowed != cudaSuccess) return allowed;
-    const dim3 grid(std::max(1, (p.num_tokens + kBlockM - 1) / kBlockM), p.num_q_heads, p.batch);
+    const dim3 grid = prefill::PrefillGrid(p, kBlockM);
     GqaPrefillMmaKernel<T, HEAD_DIM><<<grid, kThreads, Sh::kSmemBytes, stream>>>(p);
   }
   return cudaGetLastError();

@@ -6,6 +6,8 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "cuda/gqa_params.h"
 #include "cuda/kernel_common.cuh"
 #include "cuda/mma.cuh"
@@ -20,8 +22,8 @@ namespace prefill {
 // 102 before the packed form; nvcc --resource-usage, sm_90a), and 128 keeps D = 64 at the 4
 // CTAs per SM its shared memory allows.
 // NOTE(perf): (B + 1) / 32 loads per lane in each CTA that gets this far (L1 hits: every CTA
-// reads the same array); the tiles past a sequence's tokens, most CTAs of a packed call,
-// leave before it.
+// reads the same array). In the packed grid every block reads cu_seqlens twice, here and in
+// PackedBlockOf; passing that scan's result on would save the second read.
 template <typename T>
 __device__ __forceinline__ bool CuSeqlensOk(const GqaParams<T>& p) {
   if (p.cu_seqlens == nullptr) return true;
@@ -45,10 +47,7 @@ __device__ __forceinline__ int2 PrefillPrologue(const GqaParams<T>& p, int b, in
   // Packed: a tile at or past a non-last sequence's tokens has nothing to write whatever
   // cu_seqlens holds (were it malformed, only the last sequence's tiles would write), so it
   // leaves before the scan: with many slots of few tokens, that is most of the grid.
-  // NOTE(perf): leaving is not free. The grid is ceil(N / block_m) * Hq * B CTAs (64 slots,
-  // N = 8192, Hq = 32: 131k for the wgmma kernel, whose ~161 KB of shared memory at D = 128
-  // fits one CTA per SM), each paying a launch slot and a load of cu_seqlens. Unmeasured; if
-  // the H200 shows it, a grid over the real tokens' tiles only (found from cu_seqlens) is next.
+  // (The packed grid holds few such CTAs: see PrefillBlockOf.)
   if (p.cu_seqlens != nullptr && b < p.batch - 1 && !status_writer && t0 >= row_new_tokens(p, b)) {
     return make_int2(0, 0);
   }
@@ -86,24 +85,104 @@ __device__ __forceinline__ int2 PrefillPrologue(const GqaParams<T>& p, int b, in
   return make_int2(t0, live_end);
 }
 
-// The sequence, query head and query block of this CTA (grid: query blocks of block_m rows in
-// reverse order, so the late, long ones start first; Hq; B), past the shared prologue. False:
-// the CTA has no live query row left to compute. The grid's blocks cover T rows (padded) or N
-// (packed: the most any one sequence can own).
+// Packed form: the query blocks sequence b's rows of out can hold work in, at least one (its
+// status). The last sequence owns the padding rows up to N too; with a malformed cu_seqlens it
+// owns all N rows (NaN) and every other sequence only its status.
+template <typename T>
+__device__ __forceinline__ int PackedBlocks(const GqaParams<T>& p, int b, int block_m, bool cu_ok) {
+  int rows = 0;
+  if (b == p.batch - 1) {
+    rows = cu_ok ? p.num_tokens - p.cu_seqlens[b] : p.num_tokens;
+  } else if (cu_ok) {
+    rows = row_new_tokens(p, b);
+  }
+  return max(1, (max(0, rows) + block_m - 1) / block_m);
+}
+
+// The grid's packed extent: sum over b of PackedBlocks <= ceil(N / block_m) + B (the rows of
+// all sequences are N, and each adds at most one partial block).
+JKV_HOST_DEVICE int PackedGridBlocks(int num_tokens, int batch, int block_m) {
+  return (num_tokens + block_m - 1) / block_m + batch;
+}
+
+// The launch grid of a prefill kernel with query blocks of block_m rows: see PrefillCta.
+template <typename T>
+inline dim3 PrefillGrid(const GqaParams<T>& p, int block_m) {
+  if (p.cu_seqlens != nullptr) {
+    return dim3(PackedGridBlocks(p.num_tokens, p.batch, block_m), p.num_q_heads, 1);
+  }
+  return dim3(std::max(1, (p.num_tokens + block_m - 1) / block_m), p.num_q_heads, p.batch);
+}
+
+// Which (sequence, query block) the packed grid's block w is: each warp walks the sequences 32
+// at a time, a scan of PackedBlocks over its lanes, and finds w's owner by a vote (no CTA
+// barrier: see CuSeqlensOk). False: w is past the last sequence's blocks.
+template <typename T>
+__device__ __forceinline__ bool PackedBlockOf(const GqaParams<T>& p, int block_m, int w, int& b,
+                                              int& block) {
+  constexpr unsigned kAll = 0xffffffffu;
+  const bool cu_ok = CuSeqlensOk(p);
+  const int lane = threadIdx.x % 32;
+  int base = 0;  // blocks of the sequences before this group of 32
+  for (int b0 = 0; b0 < p.batch; b0 += 32) {
+    const int own = b0 + lane < p.batch ? PackedBlocks(p, b0 + lane, block_m, cu_ok) : 0;
+    int upto = own;  // inclusive scan over the lanes
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(kAll, upto, d);
+      if (lane >= d) upto += v;
+    }
+    const int group = __shfl_sync(kAll, upto, 31);
+    if (w < base + group) {
+      const int owner = __ffs(__ballot_sync(kAll, base + upto > w)) - 1;
+      b = b0 + owner;
+      block = w - base - __shfl_sync(kAll, upto - own, owner);
+      return true;
+    }
+    base += group;
+  }
+  return false;
+}
+
+// The sequence, query head and query block of this CTA, past the shared prologue. False: the
+// CTA has no live query row left to compute. Padded grid: query blocks of block_m rows in
+// reverse order (the late, long ones start first), Hq, B. Packed grid: PackedGridBlocks blocks
+// over the (sequence, query block) pairs that can hold work, also in reverse, Hq, 1; a grid of
+// ceil(N / block_m) per sequence was nearly all CTAs that leave at once (64 slots, N = 4096:
+// 131k CTAs for ~2k with work).
 struct PrefillCta {
   int b, qh, hkv, L, m0, live_end;
   int64_t q_row0;  // the row of this sequence's token 0 in q, k_new, v_new and out
 };
 
+// (b, m0, status writer) of this CTA's query block: see PrefillCta. False: a packed CTA past
+// the last sequence's blocks.
+template <typename T>
+__device__ __forceinline__ bool PrefillBlockOf(const GqaParams<T>& p, int block_m, int& b, int& m0,
+                                               bool& status_writer) {
+  const int w = gridDim.x - 1 - blockIdx.x;
+  if (p.cu_seqlens == nullptr) {
+    b = blockIdx.z;
+    m0 = w * block_m;
+    status_writer = blockIdx.x == 0 && blockIdx.y == 0;
+    return true;
+  }
+  int block = 0;
+  if (!PackedBlockOf(p, block_m, w, b, block)) return false;
+  m0 = block * block_m;
+  status_writer = block == 0 && blockIdx.y == 0;
+  return true;
+}
+
 template <typename T, int HEAD_DIM>
 __device__ __forceinline__ bool BeginPrefillCta(const GqaParams<T>& p, int block_m, PrefillCta& c) {
   c.qh = blockIdx.y;
-  c.b = blockIdx.z;
   c.hkv = c.qh / (p.num_q_heads / p.num_kv_heads);
-  c.m0 = (gridDim.x - 1 - blockIdx.x) * block_m;
   c.q_row0 = 0;
-  const int2 rows = PrefillPrologue<T, HEAD_DIM>(p, c.b, c.qh, c.m0, block_m,
-                                                 blockIdx.x == 0 && c.qh == 0, c.q_row0);
+  bool status_writer = false;
+  if (!PrefillBlockOf(p, block_m, c.b, c.m0, status_writer)) return false;
+  const int2 rows =
+      PrefillPrologue<T, HEAD_DIM>(p, c.b, c.qh, c.m0, block_m, status_writer, c.q_row0);
   c.live_end = rows.y;
   if (rows.x >= rows.y) return false;
   c.L = p.lengths[c.b];

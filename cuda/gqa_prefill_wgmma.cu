@@ -9,7 +9,8 @@
 // K/V blocks through a 2-stage cp.async ring, one block ahead, issuing the next block's copies
 // while the tensor cores compute S. The ping-pong shape (not the handler's default yet) lets the
 // two warpgroups run out of step instead, so one's softmax runs under the other's products.
-// The packed form (q [N, Hq, D], cu_seqlens) runs the same grid with T = N.
+// The packed form (q [N, Hq, D], cu_seqlens) runs (ceil(N / 128) + B, Hq): one block per
+// (sequence, query tile) that can hold work (PackedBlockOf).
 #include <algorithm>
 #include <atomic>
 
@@ -291,9 +292,7 @@ cudaError_t LaunchGqaPrefillWgmmaConfig(const GqaParams<T>& p, cudaStream_t stre
   const cudaError_t allowed =
       AllowDynamicSmem(reinterpret_cast<const void*>(kernel), Sh::kSmemBytes, configured);
   if (allowed != cudaSuccess) return allowed;
-  const dim3 grid(std::max(1, (p.num_tokens + Sh::kBlockM - 1) / Sh::kBlockM), p.num_q_heads,
-                  p.batch);
-  kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(p);
+  kernel<<<prefill::PrefillGrid(p, Sh::kBlockM), Sh::kThreads, Sh::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
 
