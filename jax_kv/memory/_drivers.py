@@ -14,7 +14,14 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import threading
 from typing import Any
+
+# The device whose primary context this module last made current, per thread. A context is
+# current per thread, and the Engine's driver, a server's warm-up or a user's thread reach an
+# arena from threads that never made one current (cuMemGetInfo then fails with
+# CUDA_ERROR_INVALID_CONTEXT); one thread may also drive the arenas of several devices.
+_CURRENT = threading.local()
 
 
 class ArenaError(RuntimeError):
@@ -90,47 +97,55 @@ class CudaDriver:
 
     def make_current(self) -> None:
         self._check(self._cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        _CURRENT.ordinal = self.ordinal
+
+    def _drive(self, name: str, *args: Any) -> Any:
+        """Calls driver function `name` on this device's primary context, made current first
+        where this module did not already make it current on the calling thread. (The arena
+        also calls make_current at each operation's start, against other libraries that
+        switch a thread's context.)"""
+        if getattr(_CURRENT, "ordinal", None) != self.ordinal:
+            self.make_current()
+        return self._check(getattr(self._cu, name)(*args), name)
 
     def free_memory(self) -> int:
-        free, _ = self._check(self._cu.cuMemGetInfo(), "cuMemGetInfo")
+        free, _ = self._drive("cuMemGetInfo")
         return int(free)
 
     def reserve(self, nbytes: int) -> int:
-        ptr = self._check(self._cu.cuMemAddressReserve(nbytes, 0, 0, 0), "cuMemAddressReserve")
+        ptr = self._drive("cuMemAddressReserve", nbytes, 0, 0, 0)
         return int(ptr)
 
     def free_va(self, base: int, nbytes: int) -> None:
-        self._check(self._cu.cuMemAddressFree(base, nbytes), "cuMemAddressFree")
+        self._drive("cuMemAddressFree", base, nbytes)
 
     def create(self) -> Any:
-        return self._check(self._cu.cuMemCreate(self.granule, self._prop, 0), "cuMemCreate")
+        return self._drive("cuMemCreate", self.granule, self._prop, 0)
 
     def release(self, handle: Any) -> None:
-        self._check(self._cu.cuMemRelease(handle), "cuMemRelease")
+        self._drive("cuMemRelease", handle)
 
     def map(self, va: int, handle: Any) -> None:
-        self._check(self._cu.cuMemMap(va, self.granule, 0, handle, 0), "cuMemMap")
+        self._drive("cuMemMap", va, self.granule, 0, handle, 0)
 
     def unmap(self, va: int, nbytes: int) -> None:
-        self._check(self._cu.cuMemUnmap(va, nbytes), "cuMemUnmap")
+        self._drive("cuMemUnmap", va, nbytes)
 
     def set_access(self, va: int, nbytes: int, read_only: bool = False) -> None:
         desc = self._desc_read_only if read_only else self._desc
-        self._check(self._cu.cuMemSetAccess(va, nbytes, desc, 1), "cuMemSetAccess")
+        self._drive("cuMemSetAccess", va, nbytes, desc, 1)
 
     def write(self, dst: int, data: bytes) -> None:
         """Host bytes to device memory on the driver's stream, then waits for the copy."""
-        self._check(
-            self._cu.cuMemcpyHtoDAsync(dst, data, len(data), self._stream), "cuMemcpyHtoDAsync"
-        )
+        self._drive("cuMemcpyHtoDAsync", dst, data, len(data), self._stream)
         self.finish_copies()
 
     def zero(self, va: int, nbytes: int) -> None:
         """Zeroes mapped read-write bytes on the driver's stream (`finish_copies` waits)."""
-        self._check(self._cu.cuMemsetD8Async(va, 0, nbytes, self._stream), "cuMemsetD8Async")
+        self._drive("cuMemsetD8Async", va, 0, nbytes, self._stream)
 
     def synchronize(self) -> None:
-        self._check(self._cu.cuCtxSynchronize(), "cuCtxSynchronize")
+        self._drive("cuCtxSynchronize")
 
     def copy2d(
         self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int
@@ -143,10 +158,10 @@ class CudaDriver:
         c.srcDevice, c.srcPitch = src, src_pitch
         c.dstDevice, c.dstPitch = dst, dst_pitch
         c.WidthInBytes, c.Height = width, height
-        self._check(cu.cuMemcpy2DAsync(c, self._stream), "cuMemcpy2DAsync")
+        self._drive("cuMemcpy2DAsync", c, self._stream)
 
     def finish_copies(self) -> None:
-        self._check(self._cu.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+        self._drive("cuStreamSynchronize", self._stream)
 
     def close(self) -> None:
         errors = []
