@@ -134,21 +134,24 @@ class SlotCache:
         self.granules = np.zeros((self.num_slots,), np.int64)  # per binding, per slot
         self.regions: list[Region] = []
         self._control: Region | None = None
-        # The prefix store (VMM): blocks of whole granules, mapped from a slot that wrote them
-        # and into slots that start with the same tokens. Physical granules are counted once.
+        # The prefix store (VMM): blocks of whole granules, held from a slot that wrote them
+        # (the arena keeps their handles, unmapped) and mapped into slots that start with the
+        # same tokens. Physical granules are counted once.
         step_tokens = math.lcm(self.granule, self.token_bytes) // self.token_bytes
         self.block_tokens = step_tokens
         self.block_granules = step_tokens * self.token_bytes // self.granule
         if prefix_store and not self.is_vmm:
             raise ValueError("prefix_store: the prefix store needs a VmmArena (shared granules)")
-        # Virtual space only: a block costs memory while it is cached, so the store needs no
-        # more blocks than the arena's memory could back (256 slots of 32k tokens at 8B: 1 TiB
-        # of slots, a store as large would not fit the H100's 1.28 TB reservation).
+        # A block costs memory while it is cached, so the store needs no more blocks than the
+        # arena's memory could back.
         self.store_blocks = 0
         if prefix_store:
             backed = self.arena.capacity_bytes // (self.bindings * step_tokens * self.token_bytes)
             self.store_blocks = min(self.num_slots * self.slot_tokens // step_tokens, backed)
-        self.store: list[Region] = []
+        # store block -> per binding, the handles it holds (VmmArena.hold; on a MeshArena, per
+        # device); _held_ids: id() of every held handle, for committed_bytes.
+        self.store_held: dict[int, list[Any]] = {}
+        self._held_ids: set[int] = set()
         self._store_free = list(range(self.store_blocks - 1, -1, -1))
         self.store_owner: dict[int, tuple[int, int]] = {}  # store block -> (slot, block) it maps
         self.store_refs = np.zeros((self.store_blocks,), np.int64)  # slots mapping each block
@@ -184,9 +187,6 @@ class SlotCache:
             # deletes it, the moment it exists.
             for _ in range(self.bindings):
                 self.regions.append(self._allocate(self.num_slots * self.slot_bytes))
-            block_bytes = self.block_tokens * self.token_bytes
-            for _ in range(self.bindings if self.store_blocks else 0):
-                self.store.append(self._allocate(self.store_blocks * block_bytes))
             self._control = self._allocate(self.num_slots * 4, replicated=True)
             self._control.commit(self.num_slots * 4)
             self._control.write(0, np.zeros((self.num_slots,), np.int32).tobytes())
@@ -219,15 +219,17 @@ class SlotCache:
                     a.delete()
         arrays.clear()
         if self.is_vmm:
-            regions = [*self.regions, *self.store, *([self._control] if self._control else [])]
+            regions = [*self.regions, *([self._control] if self._control else [])]
             try:
                 self.arena.wait_unviewed(regions)
             except BaseException:
                 self.closed = False  # e.g. a view still referenced: drop it and close again
                 raise
+            for s in list(self.store_held):
+                self._release_held(s)
             for r in regions:
                 r.free()
-            self.regions, self.store, self._control = [], [], None
+            self.regions, self._control = [], None
 
     def __enter__(self) -> SlotCache:
         return self
@@ -288,7 +290,7 @@ class SlotCache:
         """Physical KV bytes: the regions' distinct granules on VMM (read from the arena),
         the dense buffers otherwise."""
         if self.is_vmm:
-            return self.arena.physical_bytes([*self.regions, *self.store])
+            return self.arena.physical_bytes(self.regions, self._held_ids)
         return sum(a.nbytes for a in (*self.k, *self.v))
 
     @property
@@ -455,15 +457,24 @@ class SlotCache:
         return self.block_granules * self.granule
 
     def cache_block(self, b: int, k: int) -> int | None:
-        """Maps slot b's block k (whole granules it committed and wrote) into a free store
-        block, without a copy; returns the store block, or None if the store is full."""
+        """Puts slot b's block k (whole granules it committed and wrote) in a free store
+        block: the arena holds its handles (no copy, no mapping, no driver call), so they
+        outlive the slot's release. Returns the store block, or None if the store is full."""
         if not self._store_free:
             return None
         if (k + 1) * self.block_granules > int(self.granules[b]) or k < len(self.slot_shared[b]):
             raise ValueError(f"cache_block: block {k} of slot {b} is not its own and committed")
         s, n = self._store_free[-1], self._block_bytes()
-        for slot_region, store_region in zip(self.regions, self.store, strict=True):
-            self.arena.share(slot_region, b * self.slot_bytes + k * n, store_region, s * n, n)
+        held: list[Any] = []
+        try:
+            for slot_region in self.regions:
+                held.append(self.arena.hold(slot_region, b * self.slot_bytes + k * n, n))
+        except BaseException:
+            for handles in held:
+                self.arena.release_held(handles)
+            raise
+        self.store_held[s] = held
+        self._held_ids.update(map(id, _flat(held)))
         self._store_free.pop()
         self.store_owner[s] = (b, k)
         self.slot_cached[b][k] = s
@@ -478,9 +489,9 @@ class SlotCache:
         done: list[tuple[Region, int, int]] = []
         try:
             for i, s in enumerate(blocks):
-                for slot_region, store_region in zip(self.regions, self.store, strict=True):
+                for slot_region, handles in zip(self.regions, self.store_held[s], strict=True):
                     dst = b * self.slot_bytes + i * n
-                    self.arena.share(store_region, s * n, slot_region, dst, n)
+                    self.arena.map_held(handles, slot_region, dst)
                     done.append((slot_region, dst, dst + n))
         except BaseException:
             self.arena.decommit_now(done)
@@ -493,7 +504,7 @@ class SlotCache:
 
     def map_partial(self, b: int, k: int, s: int) -> int:
         """Makes slot b's block k a private copy of store block s (a partly filled block
-        another request wrote): the store's granules are mapped there, then copied on write,
+        another request wrote): the store's handles are mapped there, then copied on write,
         so the slot appends to its own granules. Slot b holds exactly k blocks (those mapped
         by map_cached, or none). Returns the granules copied."""
         if int(self.granules[b]) != k * self.block_granules:
@@ -509,8 +520,8 @@ class SlotCache:
         done: list[tuple[Region, int, int]] = []
         copies = 0
         try:
-            for slot_region, store_region in zip(self.regions, self.store, strict=True):
-                self.arena.share(store_region, s * n, slot_region, dst, n)
+            for slot_region, handles in zip(self.regions, self.store_held[s], strict=True):
+                self.arena.map_held(handles, slot_region, dst)
                 done.append((slot_region, dst, dst + n))
             for slot_region in self.regions:
                 copies += self.arena.copy_on_write(slot_region, dst, n)
@@ -523,19 +534,21 @@ class SlotCache:
 
     def evict(self, s: int) -> int:
         """Drops store block s (no slot may map it); returns the physical bytes freed (0 when
-        the slot that wrote it still holds them)."""
+        the slot that wrote it still holds them). No driver call but cuMemRelease of handles
+        past the arena's pool target."""
         if self.store_refs[s]:
             raise ValueError(f"evict: store block {s} is mapped by {self.store_refs[s]} slot(s)")
-        n = self._block_bytes()
-        self.arena.decommit_now(
-            [(r, s * n, s * n + n) for r in self.store], synchronize=self._synchronize
-        )
+        freed = self._release_held(s)
         self._store_free.append(s)
         owner = self.store_owner.pop(s, None)
         if owner is not None:
             del self.slot_cached[owner[0]][owner[1]]
-            return 0
-        return self.block_granules * self.granule * self.bindings
+        return freed
+
+    def _release_held(self, s: int) -> int:
+        held = self.store_held.pop(s)
+        self._held_ids.difference_update(map(id, _flat(held)))
+        return sum(self.arena.release_held(handles) for handles in held)
 
     def _write_committed(self) -> None:
         values = np.ascontiguousarray(self.committed_tokens(), np.int32)
@@ -592,3 +605,11 @@ class SlotCache:
 
 
 __all__ = ["DEFAULT_GRANULE_BYTES", "SlotCache"]
+
+
+def _flat(held: list[Any]) -> Iterator[Any]:
+    """The handles of one store block: per binding, VmmArena.hold's tuple of handles, or
+    MeshArena.hold's list of them (one tuple per device)."""
+    for handles in held:
+        for part in handles if isinstance(handles, list) else (handles,):
+            yield from part

@@ -32,6 +32,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import jax
@@ -70,6 +71,8 @@ class ArenaStats:
     unbacked_bytes: int  # region granules neither committed nor zero-mapped (must be 0)
     mapped_bytes: int  # every mapping of a committed handle (shared handles once per mapping)
     shared_mappings: int  # mappings of a handle beyond its first (VmmArena.share)
+    held_bytes: int  # handles kept by hold(), mapped or not (in committed_bytes once)
+    hold_calls: int  # granules held, cumulative
     share_calls: int  # granules mapped by share, cumulative
     cow_copies: int  # shared granules given a handle of their own (copy_on_write), cumulative
     map_calls: int
@@ -136,6 +139,10 @@ class _State:
         # id(handle) -> how many granule indices map it: a handle shared by several mappings
         # (VmmArena.share) returns to the pool only when its last mapping goes.
         self.refs: dict[int, int] = {}
+        # id(handle) -> [handle, holds]: handles kept by VmmArena.hold, each hold one of its
+        # refs, so a held handle outlives its mappings (a prefix store without addresses).
+        self.holds: dict[int, list[Any]] = {}
+        self.scratch = 0  # one granule of address space for copy_on_write's copies (lazy)
         self.zero_handle: Any = None  # the shared zeroed granule, mapped read-only
         self.zero_mapped: set[int] = set()  # granule indices mapped to zero_handle
         self.quarantined: dict[int, Any] = {}  # granule index -> handle whose unmap failed
@@ -157,6 +164,7 @@ class _State:
                 "ref_underflows",
                 "share",
                 "cow_copies",
+                "holds",
             ),
             0,
         )
@@ -182,6 +190,7 @@ class _State:
         for index in sorted({*self.mapped, *self.zero_mapped, *self.quarantined}):
             self.counts["unmap"] += attempt(d.unmap, self.base + index * g, g)
         handles = [*self.mapped.values(), *self.pool, *self.quarantined.values(), *self.unreleased]
+        handles += [h for h, _ in self.holds.values()]
         if self.zero_handle is not None:
             handles.append(self.zero_handle)
         # A shared handle appears once per mapping: each is released once.
@@ -189,6 +198,7 @@ class _State:
             self.counts["release"] += attempt(d.release, handle)
         self.mapped.clear()
         self.refs.clear()
+        self.holds.clear()
         self.pool.clear()
         self.zero_mapped.clear()
         self.quarantined.clear()
@@ -196,6 +206,9 @@ class _State:
         self.zero_handle = None
         if self.reserved:
             attempt(d.free_va, self.base, self.reserved)
+        if self.scratch:
+            attempt(d.free_va, self.scratch, g)
+            self.scratch = 0
         attempt(d.close)
         return errors
 
@@ -429,12 +442,16 @@ class VmmArena:
 
     @property
     def committed_bytes(self) -> int:
-        """Physical bytes mapped: a handle mapped at several addresses counts once."""
+        """Physical bytes mapped or held: a handle mapped at several addresses, or held,
+        counts once."""
         return len(self._state.refs) * self.granule
 
-    def physical_bytes(self, regions: Iterable[Region]) -> int:
-        """Physical bytes mapped in `regions`: a handle mapped at several of their addresses
-        (a shared granule) counts once.
+    def physical_bytes(
+        self, regions: Iterable[Region], held: AbstractSet[int] = frozenset()
+    ) -> int:
+        """Physical bytes mapped in `regions` or held (`held`: the ids of handles the caller
+        holds, from hold(), and no others): a handle mapped at several of their addresses (a
+        shared granule), or mapped and held, counts once.
 
         Counted from whichever side is smaller: the granules of the arena's other regions
         (an engine's cache is nearly all of its arena: its own count less the handles only
@@ -443,7 +460,7 @@ class VmmArena:
         g = self.granule
         regions = list(regions)
         with self._lock:
-            mapped, refs = self._state.mapped, self._state.refs
+            mapped, refs, holds = self._state.mapped, self._state.refs, self._state.holds
             given = {r.offset for r in regions}
             others = [r for off, r in self._regions.items() if off not in given]
             if sum(r.reserved_bytes // g for r in others) <= len(mapped):
@@ -454,17 +471,31 @@ class VmmArena:
                         if i in mapped:
                             h = id(mapped[i])
                             seen[h] = seen.get(h, 0) + 1
-                only_others = sum(1 for h, n in seen.items() if refs[h] == n)
-                return (len(refs) - only_others) * g
-            if not mapped or not regions:
-                return 0
+
+                # A handle whose every reference is another region's mapping or a hold not
+                # in `held` is not counted; every other one is mapped in `regions` or held.
+                def elsewhere(h: int) -> bool:
+                    return refs[h] == seen.get(h, 0) + (holds[h][1] if h in holds else 0)
+
+                candidates = seen.keys() - held
+                if len(held) != len(holds):  # equal: `held` is every hold (a subset by contract)
+                    candidates |= holds.keys() - held
+                return (len(refs) - sum(map(elsewhere, candidates))) * g
+            if len(held) != len(holds):
+                held = held & holds.keys()  # a MeshArena passes every device's
+            if not regions:
+                return len(held) * g
             index = np.fromiter(mapped.keys(), np.int64, len(mapped))
             handle = np.fromiter((id(h) for h in mapped.values()), np.int64, len(mapped))
         spans = sorted((r.offset // g, (r.offset + r.reserved_bytes) // g) for r in regions)
         lo, hi = (np.array(x, np.int64) for x in zip(*spans, strict=True))
         at = np.searchsorted(lo, index, side="right") - 1  # the span starting at or before
         inside = (at >= 0) & (index < hi[np.maximum(at, 0)])
-        return len(np.unique(handle[inside])) * g
+        ids = np.unique(handle[inside])
+        if held:
+            extra = np.fromiter(held, np.int64, len(held))
+            ids = np.union1d(ids, extra)
+        return len(ids) * g
 
     @property
     def live_views(self) -> int:
@@ -509,7 +540,9 @@ class VmmArena:
             handles_live=c["create"] - c["release"],
             ref_underflows=c["ref_underflows"],
             mapped_bytes=len(self._state.mapped) * self.granule,
-            shared_mappings=len(self._state.mapped) - len(self._state.refs),
+            shared_mappings=len(self._state.mapped) - self._mapped_handles(),
+            held_bytes=len(self._state.holds) * self.granule,
+            hold_calls=c["holds"],
             share_calls=c["share"],
             cow_copies=c["cow_copies"],
             unaccounted_committed_bytes=abs(
@@ -647,6 +680,11 @@ class VmmArena:
                     total += index not in s.quarantined
         return total
 
+    def _mapped_handles(self) -> int:
+        """Handles with at least one mapping (a held one may have none)."""
+        s = self._state
+        return len(s.refs) - sum(1 for h, n in s.holds.values() if s.refs[id(h)] == n)
+
     def _drop_ref(self, handle: Any) -> bool:
         """One mapping of `handle` goes; True if it was the last."""
         refs = self._state.refs
@@ -753,60 +791,123 @@ class VmmArena:
         a shared granule only after copy_on_write. All or nothing: a refusal changes nothing.
         Decommitting either range later unmaps only that mapping; a handle returns to the pool
         when its last mapping goes."""
-        g = self.granule
         with self._lock:
             self._check_open()
             src_span = self._granule_span("share", src, src_offset, nbytes)
-            dst_span = self._granule_span("share", dst, dst_offset, nbytes)
-            s, d = self._state, self._state.driver
             self._require_committed(
                 src_span, f"share: source granule {{}} of the range (src_offset={src_offset})"
             )
-            for i in dst_span:
-                if i in s.mapped or i in s.quarantined:
-                    raise ArenaError(
-                        f"share: destination granule {i - dst_span.start} of the range is "
-                        f"already committed (dst_offset={dst_offset}); decommit it first"
-                    )
-            t0 = time.perf_counter()
-            done: list[int] = []
-            unzeroed: list[int] = []
-            try:
-                d.make_current()
-                for i, j in zip(src_span, dst_span, strict=True):
-                    if j in s.zero_mapped:
-                        d.unmap(s.base + j * g, g)
-                        self._counts["unmap"] += 1
-                        s.zero_mapped.discard(j)
-                        unzeroed.append(j)
-                    d.map(s.base + j * g, s.mapped[i])
-                    self._counts["map"] += 1
-                    done.append(j)
-                runs = _runs(list(dst_span))
-                for first, count in runs:
-                    d.set_access(s.base + first * g, count * g, read_only=read_only)
-                    self._counts["set_access"] += 1
-            except ArenaError:
-                for j in done:
-                    try:
-                        d.unmap(s.base + j * g, g)
-                        self._counts["unmap"] += 1
-                    except ArenaError:
-                        pass  # nothing maps there by the arena's books: reads as unbacked
+            handles = [self._state.mapped[i] for i in src_span]
+            return self._map_handles("share", handles, dst, dst_offset, read_only)
+
+    def hold(self, region: Region, offset: int, nbytes: int) -> tuple[Any, ...]:
+        """Keeps the physical granules behind [offset, offset + nbytes) of `region` (every one
+        committed) past their mapping there: each handle gains a reference, so a later unmap
+        of the range leaves its memory and bytes to the holder. No driver call. The holder maps
+        them with map_held and gives them back with release_held; committed_bytes counts a
+        held handle once, mapped or not (held_bytes counts the held ones)."""
+        with self._lock:
+            self._check_open()
+            span = self._granule_span("hold", region, offset, nbytes)
+            self._require_committed(span, f"hold: granule {{}} of the range (offset={offset})")
+            s = self._state
+            handles = tuple(s.mapped[i] for i in span)
+            for h in handles:
+                s.refs[id(h)] += 1
+                s.holds.setdefault(id(h), [h, 0])[1] += 1
+            self._counts["holds"] += len(handles)
+            return handles
+
+    def release_held(self, handles: Iterable[Any]) -> int:
+        """Gives back one hold of each handle (from hold); returns the bytes that left the
+        arena's committed memory (handles nothing else held or mapped: pooled or released).
+        No driver call unless the pool is full (then cuMemRelease)."""
+        with self._lock:
+            s, freed = self._state, 0
+            if s.closed:
+                return 0  # close() released every handle
+            for h in handles:
+                entry = s.holds.get(id(h))
+                if entry is None:
+                    self._counts["ref_underflows"] += 1
+                    continue
+                entry[1] -= 1
+                if not entry[1]:
+                    del s.holds[id(h)]
+                if self._drop_ref(h):
+                    self._retire_handle(h)
+                    freed += self.granule
+            return freed
+
+    def map_held(
+        self, handles: Sequence[Any], dst: Region, dst_offset: int, *, read_only: bool = True
+    ) -> CommitReport:
+        """share() from held handles (hold) instead of a mapped source range: maps them, in
+        order, at [dst_offset, ...) of `dst` (uncommitted). All or nothing."""
+        with self._lock:
+            self._check_open()
+            for k, h in enumerate(handles):
+                if id(h) not in self._state.holds:
+                    raise ArenaError(f"map_held: handle {k} is not held by this arena")
+            return self._map_handles("map_held", list(handles), dst, dst_offset, read_only)
+
+    def _map_handles(
+        self, what: str, handles: list[Any], dst: Region, dst_offset: int, read_only: bool
+    ) -> CommitReport:
+        """Maps committed `handles` at dst's granules from dst_offset (the lock held)."""
+        g = self.granule
+        dst_span = self._granule_span(what, dst, dst_offset, len(handles) * g)
+        s, d = self._state, self._state.driver
+        for i in dst_span:
+            if i in s.mapped or i in s.quarantined:
+                raise ArenaError(
+                    f"{what}: destination granule {i - dst_span.start} of the range is "
+                    f"already committed (dst_offset={dst_offset}); decommit it first"
+                )
+        t0 = time.perf_counter()
+        done: list[int] = []
+        unzeroed: list[int] = []
+        try:
+            d.make_current()
+            for handle, j in zip(handles, dst_span, strict=True):
+                self._map_at(j, handle, unzeroed)
+                done.append(j)
+            runs = _runs(list(dst_span))
+            for first, count in runs:
+                d.set_access(s.base + first * g, count * g, read_only=read_only)
+                self._counts["set_access"] += 1
+        except ArenaError:
+            for j in done:
                 try:
-                    self._map_zero(unzeroed)
+                    d.unmap(s.base + j * g, g)
+                    self._counts["unmap"] += 1
                 except ArenaError:
-                    pass  # counted by stats().unbacked_bytes
-                raise
-            for i, j in zip(src_span, dst_span, strict=True):
-                handle = s.mapped[i]
-                s.mapped[j] = handle
-                s.refs[id(handle)] += 1
-                self._count_granule(j, +1)
-            self._counts["share"] += len(dst_span)
-            seconds = time.perf_counter() - t0
-            self._share_seconds += seconds
-            return CommitReport(len(dst_span), len(dst_span), len(runs), seconds)
+                    pass  # nothing maps there by the arena's books: reads as unbacked
+            try:
+                self._map_zero(unzeroed)
+            except ArenaError:
+                pass  # counted by stats().unbacked_bytes
+            raise
+        for handle, j in zip(handles, dst_span, strict=True):
+            s.mapped[j] = handle
+            s.refs[id(handle)] += 1
+            self._count_granule(j, +1)
+        self._counts["share"] += len(dst_span)
+        seconds = time.perf_counter() - t0
+        self._share_seconds += seconds
+        return CommitReport(len(dst_span), len(dst_span), len(runs), seconds)
+
+    def _map_at(self, index: int, handle: Any, unzeroed: list[int]) -> None:
+        """Maps `handle` at granule `index`; the zero granule's mapping there makes way first
+        (its index appended to `unzeroed`, for the caller's rollback)."""
+        s, d, g = self._state, self._state.driver, self.granule
+        if index in s.zero_mapped:
+            d.unmap(s.base + index * g, g)
+            self._counts["unmap"] += 1
+            s.zero_mapped.discard(index)
+            unzeroed.append(index)
+        d.map(s.base + index * g, handle)
+        self._counts["map"] += 1
 
     def _restore_mapping(self, index: int, handle: Any, fresh: Any) -> None:
         """A copy-on-write step failed at `index`: map the shared `handle` there again
@@ -850,9 +951,9 @@ class VmmArena:
                 old = s.mapped[i]
                 if s.refs[id(old)] <= 1:
                     continue  # its other mappings in this range were copied already
-                source = next(j for j, h in s.mapped.items() if h is old and j != i)
                 handle = s.pool.pop() if s.pool else self._create()
                 va = s.base + i * g
+                self._copy_into(handle, va)
                 try:
                     d.unmap(va, g)
                     self._counts["unmap"] += 1
@@ -860,8 +961,6 @@ class VmmArena:
                     self._counts["map"] += 1
                     d.set_access(va, g)
                     self._counts["set_access"] += 1
-                    d.copy2d(va, g, s.base + source * g, g, g, 1)
-                    self._counts["copy"] += 1
                 except ArenaError:
                     self._restore_mapping(i, old, handle)
                     raise
@@ -870,12 +969,44 @@ class VmmArena:
                 self._drop_ref(old)
                 self._counts["cow_copies"] += 1
                 copied.append(i)
-            if copied:
-                d.finish_copies()
             for first, count in _runs([i for i in span if i not in copied]):
                 d.set_access(s.base + first * g, count * g)
                 self._counts["set_access"] += 1
             return len(copied)
+
+    def _copy_into(self, handle: Any, src_va: int) -> None:
+        """Copies the granule mapped at src_va into `handle` (unmapped), through one granule
+        of address space kept for it: the granule's handle may have no other mapping (a held
+        one), and src_va keeps mapping it until the copy is done. On a refusal `handle` goes
+        back to the pool (or, mapped still, is never handed out again)."""
+        s, d, g = self._state, self._state.driver, self.granule
+        if not s.scratch:
+            s.scratch = d.reserve(g)
+        try:
+            d.map(s.scratch, handle)
+            self._counts["map"] += 1
+        except ArenaError:
+            s.pool.append(handle)
+            raise
+        failed: ArenaError | None = None
+        try:
+            d.set_access(s.scratch, g)
+            self._counts["set_access"] += 1
+            d.copy2d(s.scratch, g, src_va, g, g, 1)
+            self._counts["copy"] += 1
+            d.finish_copies()
+        except ArenaError as e:
+            failed = e
+        try:
+            d.unmap(s.scratch, g)
+            self._counts["unmap"] += 1
+        except ArenaError:
+            s.unreleased.append(handle)  # may still be mapped there: never handed out
+            s.scratch = 0  # and that address is not used again
+            raise
+        if failed is not None:
+            s.pool.append(handle)
+            raise failed
 
     def commit(self, ranges: Iterable[tuple[Region, int, int]]) -> CommitReport:
         """Commits [start, end) of each region, all or nothing: on a refusal every granule
@@ -944,13 +1075,7 @@ class VmmArena:
                     handles.append(self._create(in_flight=len(handles)))
                 handles = [s.pool.pop() for _ in range(len(missing) - len(handles))] + handles
                 for index, handle in zip(missing, handles, strict=True):
-                    if index in s.zero_mapped:  # the zero granule's mapping makes way
-                        d.unmap(s.base + index * g, g)
-                        self._counts["unmap"] += 1
-                        s.zero_mapped.discard(index)
-                        unzeroed.append(index)
-                    d.map(s.base + index * g, handle)
-                    self._counts["map"] += 1
+                    self._map_at(index, handle, unzeroed)
                     mapped_now.append((index, handle))
                 runs = _runs(missing)
                 for first, count in runs:
@@ -1088,21 +1213,28 @@ class VmmArena:
                 continue
             self._counts["unmap"] += 1
             unmapped.append(index)
-            if not last or any(h is handle for h in s.quarantined.values()):
-                continue  # another mapping (or a failed unmap) still holds the handle
-            if len(s.pool) * g < self.pool_target:
-                s.pool.append(handle)
-            else:
-                try:
-                    d.release(handle)
-                    self._counts["release"] += 1
-                except ArenaError:
-                    s.unreleased.append(handle)  # unmapped: never handed out again
+            if last:
+                self._retire_handle(handle)
         live = [i for i in unmapped if (r := self._region_of(i)) is not None and not r.closing]
         try:
             self._map_zero(live)
         except ArenaError:
             pass  # counted by stats().unbacked_bytes
+
+    def _retire_handle(self, handle: Any) -> None:
+        """A handle nothing maps or holds any more: pooled, or released past the pool's target
+        (kept if a failed unmap may still map it)."""
+        s = self._state
+        if any(h is handle for h in s.quarantined.values()):
+            return
+        if len(s.pool) * self.granule < self.pool_target:
+            s.pool.append(handle)
+            return
+        try:
+            s.driver.release(handle)
+            self._counts["release"] += 1
+        except ArenaError:
+            s.unreleased.append(handle)  # unmapped: never handed out again
 
     # -- views ---------------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ are global jax.Arrays assembled from the per-device views
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import jax
@@ -226,6 +227,39 @@ class MeshArena:
             raise
         return _sum_reports(reports)
 
+    def hold(self, region: MeshRegion, offset: int, nbytes: int) -> list[tuple[Any, ...]]:
+        """VmmArena.hold on every device or on none: one tuple of handles per device."""
+        lo, n = region.local(offset), region.local(nbytes)
+        held: list[tuple[Any, ...]] = []
+        try:
+            for a, part in zip(self.arenas, region.parts, strict=True):
+                held.append(a.hold(part, lo, n))
+        except BaseException:
+            for a, handles in zip(self.arenas, held, strict=False):
+                a.release_held(handles)
+            raise
+        return held
+
+    def release_held(self, held: list[tuple[Any, ...]]) -> int:
+        """Bytes freed, over all devices."""
+        return sum(a.release_held(h) for a, h in zip(self.arenas, held, strict=True))
+
+    def map_held(
+        self, held: list[tuple[Any, ...]], dst: MeshRegion, dst_offset: int, *,
+        read_only: bool = True,
+    ) -> CommitReport:  # fmt: skip
+        """VmmArena.map_held on every device or on none."""
+        do, reports, done = dst.local(dst_offset), [], []
+        try:
+            for i, arena in enumerate(self.arenas):
+                reports.append(arena.map_held(held[i], dst.parts[i], do, read_only=read_only))
+                done.append((arena, dst.parts[i], len(held[i]) * arena.granule))
+        except BaseException:
+            for arena, part, n in done:
+                arena.decommit_now([(part, do, do + n)])
+            raise
+        return _sum_reports(reports)
+
     def copy_on_write(self, region: MeshRegion, offset: int, nbytes: int) -> int:
         """Granules copied, over all devices."""
         lo, n = region.local(offset), region.local(nbytes)
@@ -244,10 +278,14 @@ class MeshArena:
     def committed_bytes(self) -> int:
         return sum(a.committed_bytes for a in self.arenas)
 
-    def physical_bytes(self, regions: Iterable[MeshRegion]) -> int:
+    def physical_bytes(
+        self, regions: Iterable[MeshRegion], held: AbstractSet[int] = frozenset()
+    ) -> int:
+        """Over all devices; `held` may name every device's held handles (each device counts
+        its own)."""
         regions = list(regions)
         return sum(
-            a.physical_bytes([r.parts[i] for r in regions]) for i, a in enumerate(self.arenas)
+            a.physical_bytes([r.parts[i] for r in regions], held) for i, a in enumerate(self.arenas)
         )
 
     @property

@@ -176,20 +176,22 @@ def test_invariant_over_a_random_schedule(arena):
 
 
 def test_a_refused_construction_raises_its_cause_and_leaves_the_arena_as_it_was():
-    """The prefix store's address space runs out after the slots' regions were allocated: the
-    caller sees ArenaExhausted, not a cleanup error, and the arena holds no region, view or
-    committed byte of the cache (the slots' views had been exported before the store was
-    allocated and were unknown to close(): 'N view(s) still live' replaced the cause)."""
-    arena = host_arena(reserve_bytes=64 << 20, granule=64 << 10)
+    """The address space runs out after the slots' regions were allocated (at the control
+    region): the caller sees ArenaExhausted, not a cleanup error, and the arena holds no
+    region, view or committed byte of the cache (when a region after the slots' views was
+    refused, those views had been unknown to close(): 'N view(s) still live' replaced the
+    cause)."""
+    # 4 slots x 4096 tokens x 512 B x 4 bindings = 32 MiB of slots, and granule 0 holds the
+    # zero granule: no room is left for the control region.
+    arena = host_arena(reserve_bytes=(32 << 20) + (64 << 10), granule=64 << 10)
     try:
         probe = dict(num_layers=L, num_slots=B, num_kv_heads=2, head_dim=D, dtype=jnp.float32,
                      arena=arena)  # fmt: skip
-        # 4 slots x 4096 tokens x 512 B x 4 bindings = 32 MiB of slots; the store as much again.
         with pytest.raises(ArenaExhausted, match="address space"):
-            SlotCache(max_len=4096, prefix_store=True, **probe)
+            SlotCache(max_len=4096, **probe)
         s = arena.stats()
         assert (s.regions, s.live_views, s.committed_bytes) == (0, 0, 0)
-        with SlotCache(max_len=4096, **probe) as cache:  # the same without a store fits
+        with SlotCache(max_len=2048, **probe) as cache:  # half the slots' space fits
             cache.ensure_slot(0, 1)
     finally:
         gc.collect()
@@ -197,9 +199,8 @@ def test_a_refused_construction_raises_its_cause_and_leaves_the_arena_as_it_was(
 
 
 def test_the_prefix_store_is_no_larger_than_the_memory_that_could_back_it():
-    """The store is address space for cached blocks, and a cached block is physical memory: it
-    never needs more blocks than the arena's capacity holds (at 256 slots of 32k tokens of an
-    8B model, a store as large as the slots would not fit the H100's reservation)."""
+    """A cached block is physical memory: the store never needs more blocks than the arena's
+    capacity holds. It takes no address space (it holds handles, VmmArena.hold)."""
     arena = host_arena(reserve_bytes=1 << 30, granule=64 << 10, limit_bytes=8 << 20)
     try:
         kw = dict(num_layers=L, num_slots=B, num_kv_heads=2, head_dim=D, dtype=jnp.float32,
@@ -208,7 +209,7 @@ def test_the_prefix_store_is_no_larger_than_the_memory_that_could_back_it():
             per_block = cache.bindings * cache.block_tokens * cache.token_bytes
             assert arena.capacity_bytes == 8 << 20
             assert cache.store_blocks == (8 << 20) // per_block < B * 4096 // cache.block_tokens
-            assert sum(r.reserved_bytes for r in cache.store) == cache.store_blocks * per_block
+            assert arena.stats().regions == cache.bindings + 1  # the slots' and the control
         with SlotCache(prefix_store=True, **(kw | {"max_len": 256})) as small:
             assert small.store_blocks == B * small.slot_tokens // small.block_tokens  # uncapped
     finally:

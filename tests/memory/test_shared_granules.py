@@ -9,18 +9,11 @@ import gc
 
 import numpy as np
 import pytest
+from host_bytes import fill, read
 
 from jax_kv.memory import ArenaError
 
 G = 64 << 10  # the host granule of the shared `arena` fixture (conftest.py)
-
-
-def fill(arena, region, offset, nbytes, value):
-    arena.driver.host_view(region.ptr + offset, nbytes)[:] = bytes([value]) * nbytes
-
-
-def read(arena, region, offset, nbytes) -> np.ndarray:
-    return np.frombuffer(bytes(arena.driver.host_view(region.ptr + offset, nbytes)), np.uint8)
 
 
 def accounting(arena):
