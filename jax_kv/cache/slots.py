@@ -438,9 +438,10 @@ class SlotCache:
 
     @contextlib.contextmanager
     def beside_step(self) -> Iterator[None]:
-        """Inside it, release_slot and evict unmap without synchronizing the device, so the
-        unmaps overlap a step in flight. For a caller whose step in flight leaves every slot
-        released here idle and maps none of the store blocks evicted here (no slot maps them).
+        """Inside it, release_slot unmaps without synchronizing the device, so the unmaps
+        overlap a step in flight. For a caller whose step in flight leaves every slot released
+        here idle (evict unmaps nothing: the store holds handles, and a block a slot maps is
+        never evicted).
         Idle: length 0 and, for a decode row, write bound 0; for a prefill call's row, no
         packed tokens. A prefill call takes `committed` as its bound, and release_slot
         rewrites it in place while the call runs: the kernel reads a row's bound only for its
@@ -604,12 +605,12 @@ class SlotCache:
             out.delete()
 
 
-__all__ = ["DEFAULT_GRANULE_BYTES", "SlotCache"]
-
-
 def _flat(held: list[Any]) -> Iterator[Any]:
     """The handles of one store block: per binding, VmmArena.hold's tuple of handles, or
     MeshArena.hold's list of them (one tuple per device)."""
     for handles in held:
         for part in handles if isinstance(handles, list) else (handles,):
             yield from part
+
+
+__all__ = ["DEFAULT_GRANULE_BYTES", "SlotCache"]
