@@ -9,6 +9,7 @@ costs a driver call but the maps themselves."""
 
 import gc
 
+import numpy as np
 import pytest
 from host_bytes import fill, read
 
@@ -187,3 +188,42 @@ def test_close_releases_held_handles(arena, held):
     assert s.release_calls == created and arena.driver.live_handles == 0
     assert arena.release_held(held[1]) == 0  # after close: nothing left to give back
     gc.collect()
+
+
+@pytest.mark.gpu
+def test_cuda_held_granules_outlive_their_range_and_copy_on_write():
+    """The same on CUDA: a held handle, unmapped from its range, mapped into another with
+    cuMemMap and read through JAX; copy_on_write through the scratch address gives the slot a
+    copy of its own while the held bytes stay."""
+    import jax.numpy as jnp
+
+    from jax_kv.memory import VmmArena
+
+    arena = VmmArena(reserve_bytes=1 << 30)
+    g = arena.granule
+    n = 2 * g // 4
+    values = np.arange(n, dtype=np.float32)
+    src, dst, other = arena.allocate(2 * g), arena.allocate(2 * g), arena.allocate(2 * g)
+    src.commit(2 * g)
+    arena.write(src.ptr, values.tobytes())
+    handles = arena.hold(src, 0, 2 * g)
+    src.decommit(0)
+    arena.flush()
+    assert arena.stats().held_bytes == 2 * g and arena.committed_bytes == 2 * g
+    arena.map_held(handles, dst, 0)
+    view = dst.export((n,), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(view), values)
+    del view
+    gc.collect()
+    assert arena.copy_on_write(dst, 0, 2 * g) == 2
+    arena.write(dst.ptr, np.zeros(n, np.float32).tobytes())  # the copy is dst's own
+    arena.map_held(handles, other, 0)
+    view = other.export((n,), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(view), values)
+    del view
+    gc.collect()
+    for region in (src, dst, other):
+        region.free()
+    assert arena.release_held(handles) == 2 * g
+    arena.close()
+    assert arena.stats().handles_live == 0
