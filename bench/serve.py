@@ -283,6 +283,9 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> 
             )
             * 1e3
             / max(1, len(host)),
+            commit_ahead_ms_per_step=(s.commit_ahead_seconds - s0.commit_ahead_seconds)
+            * 1e3
+            / max(1, len(host)),
             mean_prefix_cached_only_bytes=float(np.mean(cached_only)),
             requests_held_over_live_plus_floor=float(
                 (np.mean(held) - np.mean(cached_only))
@@ -451,7 +454,8 @@ def print_row(rate: str, name: str, m: dict, args) -> None:
             f"scheduling {m['host_ms_per_step']:.2f} ms/step "
             f"({100 * m['host_fraction']:.1f}%"
             + (
-                f"; arena work per step: commit {m['host_commit_ms_per_step']:.2f}, share "
+                f"; arena work per step: commit {m['host_commit_ms_per_step']:.2f} (of which "
+                f"{m.get('commit_ahead_ms_per_step', 0.0):.2f} ahead, beside the call), share "
                 f"{m['host_share_ms_per_step']:.2f}, unmap {m['host_decommit_ms_per_step']:.2f}"
                 f" ms, of which {m['release_beside_step_ms_per_step']:.2f} ms released ended "
                 f"requests' slots beside the next call"

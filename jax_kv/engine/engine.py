@@ -99,6 +99,7 @@ class EngineStats:
     commits_ahead: int = 0  # decoding rows' next granules committed while a call ran
     slots_handed_over: int = 0  # ended requests' slots given to the next with their granules
     release_beside_step_seconds: float = 0.0  # inside the calls' time, not host_seconds
+    commit_ahead_seconds: float = 0.0  # the commits ahead's time, inside the calls' time too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -918,15 +919,21 @@ class Engine:
         given; a row that ends on this call's token by length gets none. Short of memory it
         stops: the next planning evicts, preempts or waits, as before."""
         backed = self.cache.committed_tokens()
-        for seq in rows:
-            b, need = seq.slot, seq.cached + 2
-            if need <= backed[b] or need > self.max_len or len(seq.generated) + 1 >= seq.max_new:
-                continue
-            try:
-                self.cache.ensure_slot(b, need)
-            except ArenaExhausted:
-                return
-            self.stats.commits_ahead += 1
+        t0 = time.perf_counter()
+        try:
+            for seq in rows:
+                b, need = seq.slot, seq.cached + 2
+                if need <= backed[b] or need > self.max_len:
+                    continue
+                if len(seq.generated) + 1 >= seq.max_new:
+                    continue
+                try:
+                    self.cache.ensure_slot(b, need)
+                except ArenaExhausted:
+                    return
+                self.stats.commits_ahead += 1
+        finally:
+            self.stats.commit_ahead_seconds += time.perf_counter() - t0
 
     def _decode_bound(self, rows: list[_Seq]) -> np.ndarray:
         """The write bound of this decode call: the cache's committed tokens, 0 (idle) for
