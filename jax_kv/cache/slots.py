@@ -383,14 +383,7 @@ class SlotCache:
         self.lengths[b] = 0
         if held == 0:
             return 0
-        shared = len(self.slot_shared[b]) * self.block_granules
-        cached = len(self.slot_cached[b]) * self.block_granules
-        for s in self.slot_shared[b]:
-            self.store_refs[s] -= 1
-        for s in self.slot_cached[b].values():
-            del self.store_owner[s]  # the store's mapping keeps those granules
-        self.slot_shared[b], self.slot_cached[b] = [], {}
-        freed = held - shared - cached
+        freed = held - self._drop_store_links(b)
         self.granules[b] = 0
         self._write_committed()  # the bound first: no later step may write the slot
         if self.is_vmm:
@@ -401,6 +394,18 @@ class SlotCache:
             )
         return freed * self.granule * self.bindings
 
+    def _drop_store_links(self, b: int) -> int:
+        """Unlinks slot b from the prefix store (the blocks it maps lose a reference, the
+        blocks it wrote become the store's alone); returns the granules per binding those
+        were, which are not slot b's to free."""
+        linked = (len(self.slot_shared[b]) + len(self.slot_cached[b])) * self.block_granules
+        for s in self.slot_shared[b]:
+            self.store_refs[s] -= 1
+        for s in self.slot_cached[b].values():
+            del self.store_owner[s]  # the store's hold keeps those granules
+        self.slot_shared[b], self.slot_cached[b] = [], {}
+        return linked
+
     def owns_all(self, b: int) -> bool:
         """Whether slot b's granules are all its own: none mapped from the prefix store or
         into it (hand_over's condition)."""
@@ -410,31 +415,43 @@ class SlotCache:
         """Gives slot b, as it is, to a new request that needs `tokens` tokens: the granules
         those take stay mapped (no unmap, no map, no zero fill: ~7 driver calls per granule
         and binding saved against release_slot then ensure_slot), the rest are released.
-        Returns the bytes freed. Only for a slot whose granules are all its own (none mapped
-        from or into the prefix store: those hold others' tokens). The old request's bytes
-        past the new one's tokens stay until it writes them: the ops never read past a row's
-        length. No step may be in flight that reads or writes slot b.
+        Where the prefix store holds or maps some of its granules (they hold the old request's
+        tokens, cached), the granules the new request takes are replaced in place by fresh
+        ones instead (VmmArena.recommit: no zero granule mapped between, ~3 calls per granule
+        and binding saved), and the slot's store mappings are dropped as release_slot drops
+        them. Returns the bytes freed (negative where fresh granules were committed). The old
+        request's bytes past the new one's tokens stay until it writes them: the ops never
+        read past a row's length. No step may be in flight that reads or writes slot b.
 
         Raises:
-            ValueError: slot b shares granules with the prefix store.
             CapacityError: tokens > max_len.
+            ArenaExhausted: the fresh granules could not be committed; slot b is then
+                released (as release_slot leaves it).
         """
         self._check_open("hand_over")
         b = self._check_slot("hand_over", b)
-        if not self.owns_all(b):
-            raise ValueError(f"hand_over: slot {b} shares granules with the prefix store")
         self._check_tokens("hand_over", b, tokens)
         held = int(self.granules[b])
         keep = min(held, self.granules_for(tokens))
+        owned = self.owns_all(b)
+        own = held - self._drop_store_links(b)
         self.lengths[b] = 0
         self.granules[b] = keep
         self._write_committed()
-        if self.is_vmm and keep < held:
-            base = b * self.slot_bytes
-            self.arena.decommit_now(
-                [(r, base + keep * self.granule, base + held * self.granule) for r in self.regions]
-            )
-        return (held - keep) * self.granule * self.bindings
+        if self.is_vmm:
+            base, g = b * self.slot_bytes, self.granule
+            if keep < held:
+                self.arena.decommit_now(
+                    [(r, base + keep * g, base + held * g) for r in self.regions]
+                )
+            if not owned and keep:
+                try:
+                    self.arena.recommit([(r, base, base + keep * g) for r in self.regions])
+                except BaseException:
+                    self.granules[b] = 0  # recommit left the range decommitted
+                    self._write_committed()
+                    raise
+        return (own - keep) * self.granule * self.bindings  # own == held where owned
 
     @contextlib.contextmanager
     def beside_step(self) -> Iterator[None]:

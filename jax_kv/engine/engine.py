@@ -606,14 +606,28 @@ class Engine:
             hits, partial = self._lookup(seq)
             if b is None:  # the head needs an ended request's slot now (the device is idle)
                 b = next(iter(self._retiring))
-                if hits or partial is not None or not self.cache.owns_all(b):
+                first = min(seq.prefill_target, room)
+                # Its granules serve the head as they are (SlotCache.hand_over), or fresh ones
+                # replace them in place where the prefix store keeps the old request's blocks
+                # (then only if the memory is there: no eviction for it).
+                if (
+                    hits
+                    or partial is not None
+                    or not (
+                        self.cache.owns_all(b)
+                        or self.cache.bytes_for(first) <= self.cache.available_bytes()
+                    )
+                ):
                     self._retire(beside_step=False, only=b)
                     hits, partial = self._lookup(seq)  # the release may have evicted some
-                else:  # its granules serve the head as they are (SlotCache.hand_over)
+                else:
                     self._retiring.pop(b).slot = None
-                    first = min(seq.prefill_target, room)
-                    self.cache.hand_over(b, first)
-                    self.stats.slots_handed_over += 1
+                    try:
+                        self.cache.hand_over(b, first)
+                        self.stats.slots_handed_over += 1
+                    except ArenaExhausted:
+                        pass  # b is released: the head's commit below tries (and evicts) again
+                    self._trim_prefix()  # the old request's blocks are the store's alone now
             if partial is not None and self.cache.block_bytes > self.cache.available_bytes():
                 self._retire(beside_step=False)  # the memory ended requests still hold
                 if self.cache.block_bytes > self.cache.available_bytes():

@@ -208,6 +208,21 @@ class MeshArena:
             for a, local in zip(self.arenas, per, strict=True)
         )
 
+    def recommit(
+        self, ranges: Iterable[tuple[MeshRegion, int, int]], *, synchronize: bool = True
+    ) -> CommitReport:
+        """VmmArena.recommit on every device. A refusal on one leaves the ranges decommitted
+        on every device (as each refusing arena leaves its own)."""
+        per, reports = self._per_arena(ranges), []
+        try:
+            for arena, local in zip(self.arenas, per, strict=True):
+                reports.append(arena.recommit(local, synchronize=synchronize))
+        except BaseException:
+            for arena, local in zip(self.arenas, per, strict=True):
+                arena.decommit_now(local)
+            raise
+        return _sum_reports(reports)
+
     def share(
         self, src: MeshRegion, src_offset: int, dst: MeshRegion, dst_offset: int, nbytes: int,
         *, read_only: bool = True,

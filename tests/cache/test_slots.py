@@ -264,6 +264,38 @@ def test_beside_step_releases_without_waiting_for_the_device(arena, monkeypatch)
         assert cache.committed_bytes == cache.held_bytes == 2 * cache.bindings * cache.granule
 
 
+def test_hand_over_of_a_slot_linked_to_the_prefix_store_replaces_its_granules(arena):
+    """hand_over(b, n) of a slot whose blocks the store holds (it wrote them) or maps (from
+    the store): fresh zeroed granules replace the ones n tokens take, the rest are released,
+    the store keeps its blocks (another slot still reads them) and the slot's links to the
+    store are gone; committed bytes follow."""
+    if arena is None:
+        pytest.skip("the prefix store needs a VmmArena")
+    with make(arena, max_len=4000, prefix_store=True) as cache:
+        bt = cache.block_tokens
+        cache.ensure_slot(0, 2 * bt + 1)
+        write_token_rows(cache, 0, 2 * bt + 1, 5.0)
+        s0, s1 = cache.cache_block(0, 0), cache.cache_block(0, 1)
+        cache.map_cached(1, [s0])  # slot 1 reads block 0 from the store
+        cache.lengths[:2] = (2 * bt + 1, bt)
+        assert cache.hand_over(0, 1) == 0  # its 1 own granule out, 1 fresh one in
+        assert int(cache.granules[0]) == 1 and cache.lengths[0] == 0
+        assert not cache.slot_cached[0] and set(cache.store_owner) == set()
+        for a in (*cache.k, *cache.v):
+            host = now(a)
+            assert (host[0] == 0).all()  # fresh granules, and the zero granule past them
+            assert (host[1, :bt] == 5).all()  # slot 1 still maps the store's block 0
+        assert cache.committed_bytes == cache.held_bytes
+        assert cache.cached_only_bytes == cache.block_bytes  # block 1: the store's alone
+        cache.hand_over(1, bt + 1)
+        assert cache.store_refs[s0] == 0 and not cache.slot_shared[1]
+        assert int(cache.granules[1]) == 1  # all it held: hand_over never commits more
+        assert (now(cache.k[0])[1] == 0).all()
+        assert cache.cached_only_bytes == 2 * cache.block_bytes
+        assert cache.committed_bytes == cache.held_bytes
+        assert cache.evict(s0) + cache.evict(s1) == 2 * cache.block_bytes
+
+
 def test_hand_over_keeps_the_granules_the_next_request_needs(arena):
     """hand_over(b, n): the granules n tokens take stay mapped as they are (no map call, the
     old bytes still there for the new request to overwrite), the rest are released, the bound

@@ -51,6 +51,7 @@ def engine(request):
         made.append((eng, arena))
         return eng
 
+    build.kind = request.param
     yield build
     for eng, arena in made:
         eng.close()
@@ -546,6 +547,20 @@ def test_a_decoding_rows_next_granule_is_committed_while_the_call_runs(
         assert r.result().tokens == alone(generator, p, 40)
 
 
+def submit_queued_or_one_by_one(eng, ps, n, queued):
+    """The prompts all at once (each after the first waits for the one slot), or each after
+    the last ended; returns the requests, served."""
+    if queued:
+        reqs = [eng.submit(p, n, stop_token_ids=[]) for p in ps]
+        eng.run_until_idle()
+        return reqs
+    reqs = []
+    for p in ps:
+        reqs.append(eng.submit(p, n, stop_token_ids=[]))
+        eng.run_until_idle()
+    return reqs
+
+
 def test_a_queued_request_takes_an_ended_slots_granules_as_they_are(model, generator, rng,
                                                                     engine):  # fmt: skip
     """Without the prefix cache, a queued request given an ended request's slot keeps the
@@ -557,14 +572,7 @@ def test_a_queued_request_takes_an_ended_slots_granules_as_they_are(model, gener
         with engine(model, max_slots=1, prefix_cache=False) as eng:
             arena = eng.cache.arena
             maps = arena.stats().map_calls if eng.cache.is_vmm else 0
-            if queued:
-                reqs = [eng.submit(p, 6, stop_token_ids=[]) for p in ps]
-                eng.run_until_idle()
-            else:
-                reqs = []
-                for p in ps:
-                    reqs.append(eng.submit(p, 6, stop_token_ids=[]))
-                    eng.run_until_idle()
+            reqs = submit_queued_or_one_by_one(eng, ps, 6, queued)
             for p, r in zip(ps, reqs, strict=True):
                 assert r.result().tokens == alone(generator, p, 6)
             assert eng.stats.slots_handed_over == (2 if queued else 0)
@@ -572,3 +580,39 @@ def test_a_queued_request_takes_an_ended_slots_granules_as_they_are(model, gener
             runs[queued] = (arena.stats().map_calls - maps) if eng.cache.is_vmm else 0
     if runs[False]:
         assert runs[True] < runs[False], runs
+
+
+def test_a_queued_request_takes_an_ended_slot_whose_blocks_the_prefix_store_keeps(
+    model, generator, rng, engine
+):
+    """With the prefix cache on, an ended request's slot holds blocks the store keeps (its
+    partial block at least). A queued request given that slot gets fresh granules in place of
+    them (SlotCache.hand_over through VmmArena.recommit: no zero granule mapped between);
+    tokens are unchanged, the store's blocks still serve a later request that shares them,
+    and the driver makes fewer calls than for the same requests each taking a released slot."""
+    if engine.kind != "host":
+        pytest.skip("the prefix cache needs a VmmArena")
+    ps = prompts(rng, model, [40, 30, 35])
+    runs = {}
+    for queued in (True, False):
+        with engine(model, max_slots=1) as eng:
+            before = eng.cache.arena.stats()
+            reqs = submit_queued_or_one_by_one(eng, ps, 6, queued)
+            for p, r in zip(ps, reqs, strict=True):
+                assert r.result().tokens == alone(generator, p, 6)
+            assert eng.stats.slots_handed_over == (2 if queued else 0)
+            assert idle(eng.cache)
+            eng.check_memory()
+            # The first request's history, continued: its cached blocks were kept.
+            turn = ps[0] + reqs[0].result().tokens + prompts(rng, model, [5])[0]
+            hits = eng.prefix.stats.hit_tokens
+            again = eng.submit(turn, 4, stop_token_ids=[])
+            eng.run_until_idle()
+            assert eng.prefix.stats.hit_tokens > hits
+            assert again.result().tokens == alone(generator, turn, 4)
+            after = eng.cache.arena.stats()
+            runs[queued] = sum(
+                getattr(after, c) - getattr(before, c)
+                for c in ("map_calls", "unmap_calls", "zero_map_calls", "zero_access_calls")
+            )
+    assert runs[True] < runs[False], runs

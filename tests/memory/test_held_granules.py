@@ -181,6 +181,41 @@ def test_physical_bytes_agrees_on_both_of_its_paths(arena, held, spare):
     assert arena.physical_bytes([dst], {id(handles[0])}) == 3 * G
 
 
+def test_recommit_puts_fresh_zeroed_granules_in_place_and_leaves_held_ones(arena, held):
+    """recommit: a range whose granules are held elsewhere gets fresh zeroed ones in place,
+    without the zero granule mapped between; the held bytes stay; a granule never committed
+    in the range is committed too."""
+    _, handles = held
+    dst = arena.allocate(4 * G)
+    arena.map_held(handles, dst, 0)
+    before = arena.stats()
+    report = arena.recommit([(dst, 0, 4 * G)])
+    after = arena.stats()
+    assert report.granules == 4
+    assert after.zero_map_calls == before.zero_map_calls  # nothing mapped the zero granule
+    assert after.unmap_calls - before.unmap_calls == 3 + 1  # the 3 held + the zero granule at 3
+    assert (read(arena, dst, 0, 4 * G) == 0).all()
+    fill(arena, dst, 0, G, 9)
+    other = arena.allocate(3 * G)
+    arena.map_held(handles, other, 0)
+    assert [int(read(arena, other, k * G, G)[0]) for k in range(3)] == [5, 6, 7]
+    assert arena.committed_bytes == 7 * G  # 3 held + 4 fresh
+
+
+def test_a_refused_recommit_leaves_the_range_decommitted(arena, held):
+    _, handles = held
+    dst = arena.allocate(3 * G)
+    arena.map_held(handles, dst, 0)
+    arena.driver.inject_failure("map")
+    with pytest.raises(ArenaError):
+        arena.recommit([(dst, 0, 3 * G)])
+    assert dst.granules == 0
+    assert (read(arena, dst, 0, 3 * G) == 0).all()  # the zero granule, not unbacked
+    assert arena.stats().held_bytes == 3 * G and arena.committed_bytes == 3 * G
+    with pytest.raises(ArenaError, match="granule-aligned"):
+        arena.recommit([(dst, 1, G)])
+
+
 def test_close_releases_held_handles(arena, held):
     created = arena.stats().create_calls
     arena.close()
