@@ -259,6 +259,26 @@ def test_mesh_arena_shares_and_copies_on_every_device():
     arena.close()
 
 
+def test_mesh_arena_holds_maps_and_recommits_on_every_device():
+    arena = mesh_arena(2)
+    src, dst = arena.allocate(4 * G, SPLIT), arena.allocate(4 * G, SPLIT)
+    src.commit(4 * G)  # 2 device granules each
+    held = arena.hold(src, 0, 4 * G)
+    assert [len(h) for h in held] == [2, 2]
+    arena.decommit_now([(src, 0, 4 * G)])
+    assert arena.committed_bytes == 4 * G  # held, mapped nowhere
+    arena.map_held(held, dst, 0)
+    ids = {id(h) for part in held for h in part}
+    assert arena.physical_bytes([dst]) == arena.physical_bytes([dst], ids) == 4 * G
+    arena.recommit([(dst, 0, 4 * G)])  # fresh granules in place of the held ones
+    assert arena.committed_bytes == 8 * G and arena.physical_bytes([dst]) == 4 * G
+    assert arena.release_held(held) == 4 * G
+    assert arena.committed_bytes == 4 * G
+    for r in (src, dst):
+        r.free()
+    arena.close()
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_engine_on_per_device_vmm_arenas_equals_tp_1(model, rng, tp):
     """Slots are VMM ranges on every device: the memory invariant holds after every step (the
@@ -281,6 +301,7 @@ def test_engine_on_per_device_vmm_arenas_equals_tp_1(model, rng, tp):
         if mesh is not None:
             assert all(r.holds(a) for r, a in zip(regions, eng.cache.k, strict=False))
         hits = eng.prefix.stats.hit_tokens
+        assert eng.stats.slots_handed_over > 0  # slots linked to the store, handed over
         eng.close()
         return [r.result().tokens for r in reqs], hits
 
