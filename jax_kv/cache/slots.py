@@ -421,7 +421,8 @@ class SlotCache:
         and binding saved), and the slot's store mappings are dropped as release_slot drops
         them. Returns the bytes freed (negative where fresh granules were committed). The old
         request's bytes past the new one's tokens stay until it writes them: the ops never
-        read past a row's length. No step may be in flight that reads or writes slot b.
+        read past a row's length. No step may be in flight that reads or writes slot b: as
+        for release_slot, the device is synchronized first (once), except inside beside_step().
 
         Raises:
             CapacityError: tokens > max_len.
@@ -440,13 +441,18 @@ class SlotCache:
         self._write_committed()
         if self.is_vmm:
             base, g = b * self.slot_bytes, self.granule
+            synchronize = self._synchronize  # once: the first of the two unmaps waits
             if keep < held:
                 self.arena.decommit_now(
-                    [(r, base + keep * g, base + held * g) for r in self.regions]
+                    [(r, base + keep * g, base + held * g) for r in self.regions],
+                    synchronize=synchronize,
                 )
+                synchronize = False
             if not owned and keep:
                 try:
-                    self.arena.recommit([(r, base, base + keep * g) for r in self.regions])
+                    self.arena.recommit(
+                        [(r, base, base + keep * g) for r in self.regions], synchronize=synchronize
+                    )
                 except BaseException:
                     self.granules[b] = 0  # recommit left the range decommitted
                     self._write_committed()
