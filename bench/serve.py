@@ -286,6 +286,13 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> 
             commit_ahead_ms_per_step=(s.commit_ahead_seconds - s0.commit_ahead_seconds)
             * 1e3
             / max(1, len(host)),
+            # All the work done while calls ran (releases, commits ahead, the next prefill's
+            # commits and admissions), and the calls it outlasted (the device may have waited).
+            beside_ms_per_step=(s.beside_seconds - s0.beside_seconds) * 1e3 / max(1, len(host)),
+            beside_overran_calls=s.beside_overran - s0.beside_overran,
+            admitted_beside_a_call=s.admitted_ahead - s0.admitted_ahead,
+            admissions=s.submitted - s0.submitted,
+            planning_commits=s.planning_commits - s0.planning_commits,
             mean_prefix_cached_only_bytes=float(np.mean(cached_only)),
             requests_held_over_live_plus_floor=float(
                 (np.mean(held) - np.mean(cached_only))
@@ -460,6 +467,14 @@ def print_row(rate: str, name: str, m: dict, args) -> None:
                 f" ms, of which {m['release_beside_step_ms_per_step']:.2f} ms released ended "
                 f"requests' slots beside the next call"
                 if "host_commit_ms_per_step" in m
+                else ""
+            )
+            + (
+                f"; beside the calls {m['beside_ms_per_step']:.2f} ms/step, outlasting "
+                f"{m['beside_overran_calls']} calls; admitted beside a call "
+                f"{m['admitted_beside_a_call']} of {m['admissions']}, slot commits the device "
+                f"waited for {m['planning_commits']}"
+                if "beside_ms_per_step" in m
                 else ""
             )
             + ")"

@@ -469,11 +469,11 @@ class SlotCache:
         packed tokens. A prefill call takes `committed` as its bound, and release_slot
         rewrites it in place while the call runs: the kernel reads a row's bound only for its
         packed tokens, and the other rows' values are rewritten unchanged."""
-        self._synchronize = False
+        previous, self._synchronize = self._synchronize, False
         try:
             yield
         finally:
-            self._synchronize = True
+            self._synchronize = previous
 
     # -- the prefix store (VMM) ----------------------------------------------------------------
 
@@ -548,7 +548,11 @@ class SlotCache:
                 self.arena.map_held(handles, slot_region, dst)
                 done.append((slot_region, dst, dst + n))
             for slot_region in self.regions:
-                copies += self.arena.copy_on_write(slot_region, dst, n)
+                # Inside beside_step the slot is idle in the call in flight: nothing reads
+                # the mapping being replaced, so the copy need not wait for the call.
+                copies += self.arena.copy_on_write(
+                    slot_region, dst, n, synchronize=self._synchronize
+                )
         except BaseException:
             self.arena.decommit_now(done)
             raise

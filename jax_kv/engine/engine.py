@@ -6,8 +6,8 @@ One engine step (`step()`), in Python between jitted calls:
 2. the prefill pieces are planned and their memory committed: at most `prefill_chunk_tokens`
    real tokens, the next piece of every prefilling slot in admission order, then, while room
    is left, queued requests admitted FIFO into free slots when the memory of their first piece
-   can be committed (admission never preempts a running request, and no slot holds memory for
-   tokens not in this call);
+   can be committed (admission never preempts a running request). Most of that memory was
+   committed beside the previous call (step 4), so the planning finds it there;
 3. each decoding slot's memory for the token it writes is committed; where it cannot be, the
    youngest slot holder is preempted (its granules released, its tokens kept, re-prefilled
    later);
@@ -16,8 +16,12 @@ One engine step (`step()`), in Python between jitted calls:
    next tokens in the same pass over the weights (the decode kernel attends for those rows);
    a slot whose prompt ends samples its first token. Without, the decode step over all
    `max_slots` rows at one fixed shape (compiled once). Either way a row that takes no part
-   has a write bound of 0, which the attention ops read as idle (no reads, no writes);
-5. tokens reach the requests (streamed), finished requests return their slots.
+   has a write bound of 0, which the attention ops read as idle (no reads, no writes). While
+   the call runs, the host prepares the next one in slots the call leaves idle: the decoding
+   rows' next granules, the prefilling slots' next pieces, queued requests admitted into free
+   slots or handed the slots of requests that ended in the last call (a head that would map
+   blocks the call is writing waits for them), then the rest of those slots released;
+5. tokens reach the requests (streamed), finished requests' slots wait for the next call.
 
 The per-call inputs sit at fixed device addresses on VMM (StepInputs), so XLA can replay each
 compiled step's recorded CUDA graph. A long prompt delays the running requests' next token by
@@ -97,9 +101,19 @@ class EngineStats:
     # idle in it): the unmaps overlap the device instead of adding to the step.
     releases_beside_step: int = 0
     commits_ahead: int = 0  # decoding rows' next granules committed while a call ran
+    # The next call's prefill memory, committed while a call ran (Engine._plan_ahead):
+    admitted_ahead: int = 0  # admissions
+    pieces_ahead: int = 0  # running prefills' next pieces that needed granules
+    # Slot commits that needed granules while no call was in flight: the device waited for
+    # them (what _plan_ahead and the commits ahead move beside the calls).
+    planning_commits: int = 0
     slots_handed_over: int = 0  # ended requests' slots given to the next with their granules
     release_beside_step_seconds: float = 0.0  # inside the calls' time, not host_seconds
     commit_ahead_seconds: float = 0.0  # the commits ahead's time, inside the calls' time too
+    beside_seconds: float = 0.0  # all the work done while calls ran (Engine._call)
+    # Calls whose tokens were ready before the work beside them ended: the device may have
+    # waited for the host there (the work's excess over the call counts as the call's time).
+    beside_overran: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +284,12 @@ class Engine:
         # Slots whose request ended in the last call, released beside the next one (_retire):
         # neither running nor free until then. The step's thread only.
         self._retiring: dict[int, _Seq] = {}
+        # While a call runs: its prefill tokens per slot (None: a decode call) and its
+        # decoding rows (Engine._call). The step's thread only.
+        self._in_flight: tuple[np.ndarray | None, list[_Seq]] | None = None
+        # Slot -> (its request, the tokens committed for it): the next call's prefill memory,
+        # committed beside the last call (_plan_ahead); check_memory allows for it.
+        self._ahead: dict[int, tuple[_Seq, int]] = {}
         self._admissions = 0
         self._traces = {"prefill": 0, "decode": 0}
         # The caches are donated: XLA writes the arena's memory in place (SlotCache.writes_back:
@@ -520,7 +540,7 @@ class Engine:
             elif rows:
                 decode_s = self._run_decode(rows)
             else:
-                self._retire(beside_step=False)  # no call to overlap
+                self._retire()  # no call to overlap
         except BaseException as error:
             self._fail(error)
             raise
@@ -591,20 +611,25 @@ class Engine:
         for s in gone:
             self._finish(s, FINISH_CANCELLED)
 
-    def _admit(self, room: int, counts: np.ndarray) -> int:
+    def _admit(self, room: int, counts: np.ndarray, defer_hand_over: bool = False) -> int:
         """Admits queued requests, FIFO, into free slots while the prefill call has room and
         the head's first piece (what it prefills in this call) can be committed; the head
-        never preempts to get in. Returns the room left."""
+        never preempts to get in. Returns the room left. While a call is in flight
+        (_plan_ahead) the pieces are the next call's, and a head that the call's blocks would
+        give more prefix hits waits for the next planning. defer_hand_over: a head that finds
+        no free slot waits for the call in flight instead of taking an ending request's."""
         while room > 0:
             with self._lock:
                 if not self._queue:
                     break
                 seq = self._queue[0]
             b = self._free_slot()
-            if b is None and not self._retiring:
+            if b is None and (defer_hand_over or not self._retiring):
                 break
             hits, partial = self._lookup(seq)
-            if b is None:  # the head needs an ended request's slot now (the device is idle)
+            if self._inflight_extends(seq, hits):
+                break
+            if b is None:  # the head needs an ended request's slot now (idle in any call)
                 b = next(iter(self._retiring))
                 first = min(seq.prefill_target, room)
                 # Its granules serve the head as they are (SlotCache.hand_over), or fresh ones
@@ -618,7 +643,7 @@ class Engine:
                         or self.cache.bytes_for(first) <= self.cache.available_bytes()
                     )
                 ):
-                    self._retire(beside_step=False, only=b)
+                    self._retire(only=b)
                     hits, partial = self._lookup(seq)  # the release may have evicted some
                 else:
                     self._retiring.pop(b).slot = None
@@ -629,7 +654,7 @@ class Engine:
                         pass  # b is released: the head's commit below tries (and evicts) again
                     self._trim_prefix()  # the old request's blocks are the store's alone now
             if partial is not None and self.cache.block_bytes > self.cache.available_bytes():
-                self._retire(beside_step=False)  # the memory ended requests still hold
+                self._retire()  # the memory ended requests still hold
                 if self.cache.block_bytes > self.cache.available_bytes():
                     partial = None  # its private copy does not fit: its tokens are prefilled
             start = len(hits) * self.cache.block_tokens + (len(partial.tokens) if partial else 0)
@@ -658,6 +683,9 @@ class Engine:
             self._sampling_dirty = True
             counts[b] = n
             room -= n
+            if self._in_flight is not None:
+                self._ahead[b] = (seq, start + n)
+                self.stats.admitted_ahead += 1
         return room
 
     def _free_slot(self) -> int | None:
@@ -687,13 +715,15 @@ class Engine:
         tokens = tuple(seq.tokens(k * bt, seq.cached))
         self.prefix.insert_partial(b, k, seq.blocks[-1] if seq.blocks else None, tokens)
 
-    def _commit(self, b: int, tokens: int) -> None:
-        """ensure_slot, evicting cached prefix blocks no slot maps before giving up."""
+    def _commit(self, b: int, tokens: int) -> int:
+        """ensure_slot, evicting cached prefix blocks no slot maps before giving up; returns
+        the granules per binding it committed. Counts the commits made with no call in
+        flight (the device waits for them)."""
         try:
-            self.cache.ensure_slot(b, tokens)
+            committed = self.cache.ensure_slot(b, tokens)
         except ArenaExhausted:
             if self._retiring:  # memory the last call's ended requests still hold
-                self._retire(beside_step=False)
+                self._retire()
                 return self._commit(b, tokens)
             if self.prefix is None:
                 raise
@@ -702,7 +732,10 @@ class Engine:
             )
             if self.prefix.evict_for(need) == 0:
                 raise
-            self.cache.ensure_slot(b, tokens)
+            committed = self.cache.ensure_slot(b, tokens)
+        if committed and self._in_flight is None:
+            self.stats.planning_commits += 1
+        return committed
 
     def _cache_blocks(self, seq: _Seq) -> None:
         """Puts seq's newly written full blocks in the prefix cache."""
@@ -754,13 +787,14 @@ class Engine:
         seq.slot = None
         self._trim_prefix()
 
-    def _retire(self, beside_step: bool, only: int | None = None) -> None:
+    def _retire(self, only: int | None = None) -> None:
         """Releases the slots of the requests that ended in the last call (or slot `only`;
-        the block each ended in was cached when it ended). beside_step: a call is in flight,
-        which leaves those rows idle (they were not planned into it), so the unmaps need not
-        wait for it (SlotCache.beside_step)."""
+        the block each ended in was cached when it ended). While a call is in flight it
+        leaves those rows idle (they were not planned into it), so the unmaps need not wait
+        for it (SlotCache.beside_step)."""
         if not self._retiring:
             return
+        beside_step = self._in_flight is not None
         t0 = time.perf_counter()
         with self.cache.beside_step() if beside_step else contextlib.nullcontext():
             for b in [only] if only is not None else list(self._retiring):
@@ -796,7 +830,11 @@ class Engine:
                 continue
             counts[seq.slot] = n
             room -= n
-        self._admit(room, counts)
+        # With a call to run anyway, a head that needs an ending request's slot is admitted
+        # beside it (_plan_ahead: the hand-over's unmaps and commits hidden behind the call,
+        # its first piece one call later); free slots are taken now.
+        decoding = any(s.generated and s.cached == s.prefill_target for s in self._active())
+        self._admit(room, counts, defer_hand_over=bool(counts.any()) or decoding)
         return counts
 
     def _plan_decode(self) -> list[_Seq]:
@@ -856,7 +894,7 @@ class Engine:
         inputs = self._inputs
         sampled, status, seconds = self._call(
             "prefill", inputs[name], inputs["cu_seqlens"], self._caches(), inputs["lengths"],
-            self.cache.committed, inputs["tokens"], inputs["bound"], rows=rows,
+            self.cache.committed, inputs["tokens"], inputs["bound"], rows=rows, counts=counts,
         )  # fmt: skip
         self.stats.prefill_calls += 1
         self.stats.mixed_calls += bool(rows)
@@ -904,20 +942,33 @@ class Engine:
             self._emit(seq, int(sampled[b]))
 
     def _call(
-        self, kind: str, *args: Any, rows: list[_Seq]
+        self, kind: str, *args: Any, rows: list[_Seq], counts: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray, float]:
         """Runs the `kind` step on (params, *args, sampling) -> (sampled tokens [B], status
         [B] on the host, seconds until they were there); counts its compiles (a compile is
-        a trace) and takes its caches. While it runs, the ended requests' slots are released
-        and the decoding `rows`' next granules committed."""
+        a trace) and takes its caches. While it runs (the call's prefill `counts` per slot
+        and decoding `rows` in flight), the next call's memory is committed: the decoding
+        rows' next granules, then the next prefill's (_plan_ahead); then the ended requests'
+        slots are released."""
         step = self._prefill if kind == "prefill" else self._decode
         traces = self._traces[kind]
         t0 = time.perf_counter()
         out, caches, status = step(self.params, *args, *self._sampling_args())
         compiled = self._traces[kind] - traces
         self._accept(caches, verify=bool(compiled))
-        self._retire(beside_step=True)  # while the call runs
-        self._commit_ahead(rows)
+        # Every slot these touch is idle in the call: not planned into it (free, ending, or
+        # admitted after it was planned), or past the bound it was given.
+        self._in_flight = (counts, rows)
+        t1 = time.perf_counter()
+        try:
+            with self.cache.beside_step():
+                self._commit_ahead(rows)  # the running requests' memory first
+                self._plan_ahead(counts)
+                self._retire()
+        finally:
+            self._in_flight = None
+            self.stats.beside_seconds += time.perf_counter() - t1
+        self.stats.beside_overran += out.is_ready()
         sampled, status = _host(out), _host(status)
         seconds = time.perf_counter() - t0
         if kind == "prefill":
@@ -942,12 +993,68 @@ class Engine:
                 if len(seq.generated) + 1 >= seq.max_new:
                     continue
                 try:
-                    self.cache.ensure_slot(b, need)
+                    committed = self._commit(b, need)
                 except ArenaExhausted:
                     return
-                self.stats.commits_ahead += 1
+                self.stats.commits_ahead += bool(committed)
         finally:
             self.stats.commit_ahead_seconds += time.perf_counter() - t0
+
+    def _plan_ahead(self, counts: np.ndarray | None) -> None:
+        """Commits, while the call runs, the memory of the next call's prefill as the next
+        planning would: the prefilling slots' next pieces in admission order (where a prompt
+        ends in this call, the granule of its first decoded token), then, while the chunk has
+        room, queued requests admitted FIFO into free or ending slots (_admit). The next
+        planning finds the memory there; it plans the call as before, decoding rows first
+        (which may preempt these admissions: they are the youngest). Short of memory it
+        stops, leaving the rest to the next planning."""
+        self._ahead = {}
+        room = self.prefill_chunk_tokens
+        for seq in sorted(self._active(), key=lambda s: s.admitted):
+            b = seq.slot
+            assert b is not None
+            written = seq.cached + (0 if counts is None else int(counts[b]))
+            if written < seq.prefill_target:
+                n = min(seq.prefill_target - written, room)
+                if n == 0:
+                    continue
+                target, room = written + n, room - n
+            elif counts is not None and counts[b] and len(seq.generated) + 1 < seq.max_new:
+                target = written + 1  # its prompt ends in this call: its first decode step
+            else:
+                continue
+            try:
+                if self._commit(b, target):
+                    self.stats.pieces_ahead += 1
+            except ArenaExhausted:
+                return
+            self._ahead[b] = (seq, target)
+        if room:
+            self._admit(room, np.zeros((self.max_slots,), np.int64))
+
+    def _inflight_extends(self, seq: _Seq, hits: list) -> bool:
+        """Whether the call in flight completes a block that would extend seq's prefix hits
+        (same tokens up to the block's end): admitted now, seq would compute what it can map
+        once the call's blocks are cached, so its admission waits for the next planning."""
+        if self.prefix is None or self._in_flight is None:
+            return False
+        bt = self.cache.block_tokens
+        end = (len(hits) + 1) * bt
+        if end > seq.prefill_target - 1:  # no further block the lookup could give it
+            return False
+        counts, rows = self._in_flight
+        decoding = {r.slot for r in rows}
+        want = None
+        for r in self._active():
+            b = r.slot
+            new = int(counts[b]) if counts is not None and counts[b] else int(b in decoding)
+            if not new or len(r.blocks) * bt >= end or r.cached + new < end:
+                continue
+            if want is None:
+                want = seq.tokens(0, end)
+            if r.tokens(0, end) == want:
+                return True
+        return False
 
     def _decode_bound(self, rows: list[_Seq]) -> np.ndarray:
         """The write bound of this decode call: the cache's committed tokens, 0 (idle) for
@@ -1073,17 +1180,28 @@ class Engine:
 
     def check_memory(self) -> None:
         """Asserts the cache holds no more than its live tokens (a shared block's once) plus
-        one granule per (binding, slot in use) plus the cached prefix blocks no slot maps, and
-        on VMM that the arena's physical bytes are what the cache counts."""
+        one granule per (binding, slot in use) plus the cached prefix blocks no slot maps plus
+        the next call's prefill tokens committed beside the last call, and on VMM that the
+        arena's physical bytes are what the cache counts."""
         cache = self.cache
         in_use = sum(s is not None for s in self._slots) + len(self._retiring)
         live = cache.live_unique_bytes
-        limit = live + cache.floor_bytes(in_use) + cache.cached_only_bytes
+        ahead = (
+            sum(
+                max(0, tokens - int(cache.lengths[b]))
+                for b, (seq, tokens) in self._ahead.items()
+                if self._slots[b] is seq
+            )
+            * cache.token_bytes
+            * cache.bindings
+        )
+        limit = live + cache.floor_bytes(in_use) + cache.cached_only_bytes + ahead
         if cache.held_bytes > limit:
             raise AssertionError(
                 f"KV memory: {cache.held_bytes} bytes held > live {live} + "
                 f"{cache.floor_bytes(in_use)} (one granule per binding and slot in use) + "
-                f"{cache.cached_only_bytes} (prefix blocks no slot maps)"
+                f"{cache.cached_only_bytes} (prefix blocks no slot maps) + {ahead} (the next "
+                f"call's prefill tokens, committed beside the last call)"
             )
         if cache.is_vmm and cache.committed_bytes != cache.held_bytes:
             raise AssertionError(
@@ -1164,7 +1282,7 @@ class Engine:
     def _free(self) -> None:
         try:
             if self._failure is None:
-                self._retire(beside_step=False)
+                self._retire()
             self._inputs.close()
         finally:
             self.cache.close()

@@ -932,10 +932,14 @@ class VmmArena:
             self._count_granule(index, -1)
             self._drop_ref(handle)
 
-    def copy_on_write(self, region: Region, offset: int, nbytes: int) -> int:
+    def copy_on_write(
+        self, region: Region, offset: int, nbytes: int, *, synchronize: bool = True
+    ) -> int:
         """Gives every shared granule of [offset, offset + nbytes) of `region` a handle of its
         own holding a copy of its bytes, writable; granules not shared are left as they are
-        (made writable). Returns the granules copied (counted in stats().cow_copies)."""
+        (made writable). Returns the granules copied (counted in stats().cow_copies).
+        `synchronize=False` skips the device synchronize, for a caller that knows no queued
+        or running work reads the range (decommit_now's contract)."""
         g = self.granule
         with self._lock:
             self._check_open()
@@ -946,7 +950,8 @@ class VmmArena:
             copied = []
             if shared:
                 d.make_current()
-                d.synchronize()  # in-flight work may still read through the shared mapping
+                if synchronize:  # in-flight work may still read through the shared mapping
+                    d.synchronize()
             for i in shared:
                 old = s.mapped[i]
                 if s.refs[id(old)] <= 1:

@@ -275,11 +275,13 @@ class MeshArena:
             raise
         return _sum_reports(reports)
 
-    def copy_on_write(self, region: MeshRegion, offset: int, nbytes: int) -> int:
-        """Granules copied, over all devices."""
+    def copy_on_write(
+        self, region: MeshRegion, offset: int, nbytes: int, *, synchronize: bool = True
+    ) -> int:
+        """Granules copied, over all devices (`synchronize` as in VmmArena.copy_on_write)."""
         lo, n = region.local(offset), region.local(nbytes)
         pairs = zip(self.arenas, region.parts, strict=True)
-        return sum(a.copy_on_write(part, lo, n) for a, part in pairs)
+        return sum(a.copy_on_write(part, lo, n, synchronize=synchronize) for a, part in pairs)
 
     def wait_unviewed(self, regions: Iterable[MeshRegion], timeout: float = 5.0) -> None:
         """VmmArena.wait_unviewed on every device."""
