@@ -623,6 +623,13 @@ class Engine:
                 if not self._queue:
                     break
                 seq = self._queue[0]
+                # Beside a call, a request cancelled since the step's _end_cancelled.
+                cancelled = seq.request.cancel_requested
+                if cancelled:
+                    self._queue.popleft()
+            if cancelled:
+                self._finish(seq, FINISH_CANCELLED)
+                continue
             b = self._free_slot()
             if b is None and (defer_hand_over or not self._retiring):
                 break
@@ -1019,8 +1026,10 @@ class Engine:
                 if n == 0:
                     continue
                 target, room = written + n, room - n
-            elif counts is not None and counts[b] and len(seq.generated) + 1 < seq.max_new:
-                target = written + 1  # its prompt ends in this call: its first decode step
+            elif counts is not None and counts[b] and max(1, len(seq.generated)) < seq.max_new:
+                # Its prefill ends in this call (a prompt's samples the first token, a
+                # re-prefill's samples none): the granule of its next decode step.
+                target = written + 1
             else:
                 continue
             try:

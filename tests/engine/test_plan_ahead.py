@@ -91,3 +91,29 @@ def test_a_request_waits_for_the_blocks_the_call_in_flight_writes(model, generat
             assert r.result().tokens == generator.generate([p], 5, stop_tokens=[]).tokens[0]
         assert eng.prefix.stats.hit_tokens == 2 * BLOCK
         assert eng.stats.prefill_tokens == len(a) + len(b) - 2 * BLOCK
+
+
+def test_a_request_cancelled_while_a_call_runs_is_never_admitted(model, rng, arena):
+    """B is cancelled while A's second call runs, before the work beside it (as a client that
+    goes away mid-step; A's 80-token prompt fills that call's 32-token chunk, so B was not
+    admitted at its planning): B ends cancelled, once, without taking a slot; A goes on."""
+    a, b = prompts(rng, model, 2, 80, 81)
+    with Engine(model, max_slots=2, max_len=MAX_LEN, prefill_chunk_tokens=32, arena=arena) as eng:
+        ra = eng.submit(a, 4, stop_token_ids=[])
+        eng.step()  # A's first piece; B arrives after it
+        rb = eng.submit(b, 4, stop_token_ids=[])
+        finished = []
+        real_finish, real_plan = rb._finish, eng._plan_ahead
+
+        def plan_ahead(counts):
+            rb.cancel()
+            eng._plan_ahead = real_plan
+            return real_plan(counts)
+
+        rb._finish = lambda c: (finished.append(c.finish_reason), real_finish(c))
+        eng._plan_ahead = plan_ahead
+        admissions = eng._admissions
+        drain(eng)
+        assert finished == ["cancelled"] and rb.result().tokens == []
+        assert eng._admissions == admissions  # B never took a slot
+        assert ra.result().finish_reason == "length"
