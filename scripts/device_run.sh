@@ -3,7 +3,7 @@
 # $OUT (or ./device-out). Each stage has its own time limit so the whole fits one call.
 #   bash scripts/device_run.sh [stages...]   stages: build ops ops-off gen cache attn generate profile san pytests
 #     prefill-profile failsafe vmm-san soak serving prefill-bench serve serve-prefix serve-http issue20
-#     engine-step tile-grid tile-grid-prebuild
+#     engine-step branch-prebuild branch (BRANCH_TESTS, BRANCH_CMD)
 # SERVE_ARGS passes options to bench/serve.py (e.g. "--profile 30").
 # GEN_MODELS, GEN_BATCH, GEN_TOKENS, GEN_IMPLS, GEN_TIMEOUT set bench/generate.py's run.
 # ATTN_ARGS passes options to bench/attention.py (e.g. "--decode-kernel auto,simt"), ATTN_TIMEOUT
@@ -20,10 +20,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site
 fi
 STAGES=${*:-build ops gen cache attn generate}
-tilegrid_build() {
-  mkdir -p /tmp/tilegrid && tar xzf tilegrid.tgz -C /tmp/tilegrid
-  (cd /tmp/tilegrid && JAX_KV_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps \
-    --target /tmp/tilegrid_site . > "$OUT/build_tilegrid.log" 2>&1) || tail -20 "$OUT/build_tilegrid.log"
+branch_build() {
+  mkdir -p /tmp/branch && tar xzf branch.tgz -C /tmp/branch
+  (cd /tmp/branch && JAX_KV_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps \
+    --target /tmp/branch_site . > "$OUT/build_branch.log" 2>&1) || tail -20 "$OUT/build_branch.log"
 }
 T0=$(date +%s)
 stage() { echo "=== $1 (t=$(( $(date +%s) - T0 ))s)"; }
@@ -145,33 +145,35 @@ for s in $STAGES; do
         python3 bench/generate.py --out "$OUT/$t" --models qwen2.5-0.5b --batch 1 --new-tokens 256 \
         --impls jax_kv-seq,jax_kv-seq@8,plain-jax 2>&1 | grep -v -E "^\s*$|WARNING" | tail -12); done \
         | tee "$OUT/issue20_generate.log" ;;
-    tile-grid-prebuild)
-      # The branch's wheel builds in the background while the stages after this one run (put
-      # it first: `tile-grid-prebuild build prefill-bench tile-grid`); tile-grid waits for it.
-      stage "prefill-tile-grid: building in the background"
-      rm -rf /tmp/tilegrid_done /tmp/tilegrid /tmp/tilegrid_site; TG_PREBUILT=1
-      (tilegrid_build; touch /tmp/tilegrid_done) > /dev/null 2>&1 & ;;
-    tile-grid)
-      # Branch prefill-tile-grid (carried as tilegrid.tgz: `git archive prefill-tile-grid | gzip >
-      # tilegrid.tgz`, untracked) built into its own --target directory (the editable install
-      # is removed first: its import hook would shadow it), then its packed GPU cases and
-      # bench/prefill.py with PREFILL_ARGS. Put prefill-bench before it in the same call: that
-      # is main's side of the comparison, on the same machine. `python3 -P`: `-m` would put the
-      # source tree (no compiled modules) first on sys.path (146 tests failed on that import).
-      stage "prefill-tile-grid: packed GPU tests and bench/prefill.py"
+    branch-prebuild)
+      # An experiment's branch (carried as branch.tgz: `git archive BRANCH | gzip > branch.tgz`,
+      # untracked) builds in the background while the stages after this one run (put it first:
+      # `branch-prebuild build serve branch`); `branch` waits for it.
+      stage "branch: building in the background"
+      rm -rf /tmp/branch_done /tmp/branch /tmp/branch_site; BR_PREBUILT=1
+      (branch_build; touch /tmp/branch_done) > /dev/null 2>&1 & ;;
+    branch)
+      # The branch built into its own --target directory (the editable install is removed
+      # first: its import hook would shadow it), then its GPU tests BRANCH_TESTS and the
+      # command BRANCH_CMD, run in its tree ($OUT is this call's). Main's side of a comparison
+      # runs in the same call, before this stage. `python3 -P`: `-m` would put the source tree
+      # (no compiled modules) first on sys.path.
+      stage "branch: GPU tests and BRANCH_CMD"
       python3 -m pip uninstall -y -q jax_kv >/dev/null 2>&1
-      if [ -n "${TG_PREBUILT:-}" ]; then  # tile-grid-prebuild ran earlier in this call
-        while [ ! -e /tmp/tilegrid_done ]; do sleep 2; done
+      if [ -n "${BR_PREBUILT:-}" ]; then
+        while [ ! -e /tmp/branch_done ]; do sleep 2; done
       else
-        tilegrid_build
+        branch_build
       fi
-      tail -3 "$OUT/build_tilegrid.log"
-      (cd /tmp/tilegrid && PYTHONPATH=/tmp/tilegrid_site:${PYTHONPATH:-} timeout -k 10 ${TG_TEST_TIMEOUT:-150} \
-        python3 -P -m pytest -m gpu tests/ops/test_gqa_prefill_packed.py -q -p no:cacheprovider \
-        -p no:benchmark -n 4 2>&1 | tail -6) | tee "$OUT/tilegrid_tests.log"
-      (cd /tmp/tilegrid && PYTHONPATH=/tmp/tilegrid_site:${PYTHONPATH:-} timeout -k 10 ${PREFILL_TIMEOUT:-240} \
-        python3 bench/prefill.py --out "$OUT/tilegrid" ${TG_PREFILL_ARGS:-${PREFILL_ARGS:-}} 2>&1 \
-        | grep -v -E "^\s*$|WARNING|gpu_hlo_schedule|rematerialization" | tail -20) | tee "$OUT/tilegrid_prefill.log" ;;
+      tail -3 "$OUT/build_branch.log"
+      if [ -n "${BRANCH_TESTS:-}" ]; then
+        (cd /tmp/branch && PYTHONPATH=/tmp/branch_site:${PYTHONPATH:-} timeout -k 10 ${BR_TEST_TIMEOUT:-200} \
+          python3 -P -m pytest -m gpu $BRANCH_TESTS -q -p no:cacheprovider -p no:benchmark -rs \
+          --tb=short 2>&1 | tail -12) | tee "$OUT/branch_tests.log"
+      fi
+      (cd /tmp/branch && OUT="$OUT" PYTHONPATH=/tmp/branch_site:${PYTHONPATH:-} timeout -k 10 ${BR_TIMEOUT:-400} \
+        bash -c "${BRANCH_CMD:-true}" 2>&1 | grep -v -E "^\s*$|WARNING|gpu_hlo_schedule|rematerialization" \
+        | tail -40) | tee "$OUT/branch.log" ;;
     prefill-profile)
       # No package build needed: bench/prefill_profile.cu links the prefill kernels alone.
       stage "bench/prefill_profile.cu (+ ncu on the default wgmma kernel)"
