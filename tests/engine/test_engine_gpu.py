@@ -306,3 +306,53 @@ def test_prefill_steps_replay_the_recorded_graph(model, rng):
     finally:
         eng.close()
         arena.close()
+
+
+def test_the_next_calls_memory_is_committed_beside_the_call_on_cuda(model, rng, arena=None):
+    """Engine._plan_ahead on the CUDA arena: while a long request decodes, followers of a
+    cached prefix (blocks mapped), requests handed an ended request's slot, and a chat turn
+    (its partial block copied on write, without a device synchronize) are admitted beside a
+    call, in rows the call leaves idle. Tokens equal the prefix cache off; the memory invariant
+    holds after every step; after close no handle is left and no fault counter moved.
+    `arena`: a factory of the arena (the CUDA VmmArena unless a caller passes another)."""
+    if arena is None:
+        from jax_kv.memory import VmmArena
+
+        arena = lambda: VmmArena(pool_bytes=0)  # noqa: E731
+    vocab = model.config.vocab_size
+    prefix = [int(t) for t in rng.integers(3, vocab, 1100)]  # 2 blocks of 512 tokens + 76
+    first, *followers = [prefix + [int(t) for t in rng.integers(3, vocab, 20)] for _ in range(4)]
+    runner = [int(t) for t in rng.integers(3, vocab, 300)]
+
+    def serve(prefix_cache):
+        a = arena()
+        eng = Engine(model, max_slots=3, max_len=MAX_LEN, prefill_chunk_tokens=512, arena=a,
+                     prefix_cache=prefix_cache)  # fmt: skip
+        long = eng.submit(runner, 300, stop_token_ids=[])
+        head = eng.submit(first, 24, stop_token_ids=[])
+        while not head.streamed:  # its prefix blocks are cached
+            eng.step()
+        reqs = [head, *(eng.submit(p, 24, stop_token_ids=[]) for p in followers)]
+        turn = None
+        while eng.has_work():
+            eng.step()
+            eng.check_memory()
+            if turn is None and head.done:  # while the long request still decodes
+                assert not long.done
+                turn = eng.submit(first + head.result().tokens + [5, 6, 7], 8, stop_token_ids=[])
+                reqs.append(turn)
+        s, cow = eng.stats, a.stats().cow_copies
+        eng.close()
+        a.close()
+        st = a.stats()
+        assert st.handles_live == 0 and not any(st.faults.values()), st
+        return [r.result().tokens for r in [long, *reqs]], s, cow
+
+    with jax.default_matmul_precision("highest"):
+        on, stats_on, cow = serve(None)
+        off, _, _ = serve(False)
+    assert on == off
+    # At planning: the long request, the first and the first follower (free slots, no call in
+    # flight or a free slot taken at once); beside a call: two followers and the turn.
+    assert stats_on.admitted_ahead >= 3 and stats_on.planning_commits <= 3, stats_on
+    assert cow == 2 * model.config.num_layers  # the turn's partial block, copied beside a call
