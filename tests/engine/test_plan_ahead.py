@@ -6,9 +6,8 @@ holds after every step (allowing the next call's tokens committed ahead), and th
 say where the commits ran. A queued request whose prefix the call in flight is writing waits
 for the next planning, so that it maps those blocks instead of computing them again."""
 
-import gc
-
 import pytest
+from arena_checks import close_and_check
 
 from jax_kv.engine import Engine
 from jax_kv.memory import EagerArena, host_arena
@@ -21,12 +20,7 @@ BLOCK = 16  # tokens per granule: 8 KiB granules of the tiny model's 512-byte to
 def arena():
     a = host_arena(reserve_bytes=1 << 30, granule=BLOCK * 512)
     yield a
-    gc.collect()
-    if not a.closed:
-        a.close()
-    s = a.stats()
-    assert s.handles_live == 0 and s.committed_bytes == 0, s
-    assert not any(s.faults.values()), s
+    close_and_check(a)
 
 
 def drain(eng):

@@ -6,10 +6,9 @@ changes another's tokens; a slot mapping a shared block reads the writer's value
 blocks are evicted least recently used under memory pressure; after close every handle is
 released and the fault counters are zero."""
 
-import gc
-
 import numpy as np
 import pytest
+from arena_checks import close_and_check
 
 from jax_kv.engine import FINISH_LENGTH, Engine
 from jax_kv.memory import EagerArena, host_arena
@@ -28,13 +27,8 @@ def arenas():
         return a
 
     yield make
-    gc.collect()
     for a in made:
-        if not a.closed:
-            a.close()
-        s = a.stats()
-        assert s.handles_live == 0 and s.committed_bytes == 0, s
-        assert not any(s.faults.values()), s
+        close_and_check(a)
 
 
 def engine(model, arena, **kw):
