@@ -279,6 +279,7 @@ class Engine:
         self._work = threading.Condition(self._lock)
         self._queue: collections.deque[_Seq] = collections.deque()  # guarded by _lock
         self._accepting = True  # guarded by _lock
+        self._cancels = self._cancels_seen = 0  # Request.cancel() calls; guarded by _lock
         self._failure: BaseException | None = None
         self._slots: list[_Seq | None] = [None] * self.max_slots  # the step's thread only
         # Slots whose request ended in the last call, released beside the next one (_retire):
@@ -445,7 +446,7 @@ class Engine:
         elif stops:
             raise ValueError("stop: stop strings need a tokenizer; this model has none")
         seq = _Seq(
-            request=Request(ids, request_id),
+            request=Request(ids, request_id, on_cancel=self._note_cancel),
             prompt=ids,
             max_new=max_new,
             sampling=sampling,
@@ -600,7 +601,15 @@ class Engine:
     def _active(self) -> list[_Seq]:
         return [s for s in self._slots if s is not None]
 
+    def _note_cancel(self) -> None:
+        with self._lock:
+            self._cancels += 1
+
     def _end_cancelled(self) -> None:
+        with self._lock:
+            if self._cancels == self._cancels_seen:  # none since the last look
+                return
+            self._cancels_seen = self._cancels
         for seq in self._active():
             if seq.request.cancel_requested:
                 self._finish(seq, FINISH_CANCELLED)

@@ -112,8 +112,16 @@ class Request:
     the `Completion`, `cancel()` to end it (its slot and memory are released within one
     engine step). Safe to use from any thread."""
 
-    def __init__(self, prompt_ids: list[int], request_id: str | None = None) -> None:
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        request_id: str | None = None,
+        on_cancel: Callable[[], None] | None = None,
+    ) -> None:
         self.id = request_id or f"req-{next(_ids)}"
+        # Called (outside this request's lock) after the first cancel(): the engine then
+        # looks for cancelled requests at its next step instead of asking each at every step.
+        self._on_cancel = on_cancel
         self.prompt_ids = prompt_ids
         self._cond = threading.Condition()
         self._deltas: list[Delta] = []
@@ -166,7 +174,10 @@ class Request:
         """Asks the engine to end the request (finish reason "cancelled"); a no-op once it
         finished."""
         with self._cond:
+            first = not self._cancel_requested and self._completion is None
             self._cancel_requested = True
+        if first and self._on_cancel is not None:
+            self._on_cancel()
 
     @property
     def streamed(self) -> int:

@@ -6,6 +6,8 @@ holds after every step (allowing the next call's tokens committed ahead), and th
 say where the commits ran. A queued request whose prefix the call in flight is writing waits
 for the next planning, so that it maps those blocks instead of computing them again."""
 
+import threading
+
 import pytest
 from arena_checks import close_and_check
 
@@ -111,3 +113,34 @@ def test_a_request_cancelled_while_a_call_runs_is_never_admitted(model, rng, are
         assert finished == ["cancelled"] and rb.result().tokens == []
         assert eng._admissions == admissions  # B never took a slot
         assert ra.result().finish_reason == "length"
+
+
+def test_cancels_are_looked_for_only_after_one(model, rng):
+    """The step asks its requests whether they were cancelled only after a Request.cancel()
+    (at 256 slots and a long queue, asking each at every step cost a lock per request); a
+    cancel from another thread still ends its request within one step, once."""
+    from jax_kv.engine.request import Request
+
+    asked = []
+    real = Request.cancel_requested
+    Request.cancel_requested = property(lambda r: asked.append(r.id) or real.fget(r))
+    try:
+        eng = Engine(model, arena=EagerArena(), max_slots=2, max_len=MAX_LEN,
+                     prefill_chunk_tokens=16)  # fmt: skip
+        with eng:
+            reqs = [eng.submit(p, 30, stop_token_ids=[]) for p in prompts(rng, model, 6, 5, 9)]
+            for _ in range(3):
+                eng.step()
+            asked.clear()
+            eng.step()  # nothing cancelled: at most the queue's head is asked, at admission
+            assert len(set(asked)) <= 1, asked
+            t = threading.Thread(target=reqs[4].cancel)  # queued
+            t.start()
+            t.join()
+            reqs[0].cancel()  # running
+            eng.step()
+            assert reqs[4].result().finish_reason == reqs[0].result().finish_reason == "cancelled"
+            eng.run_until_idle()
+            assert sum(eng.stats.finished.values()) == 6
+    finally:
+        Request.cancel_requested = real
