@@ -114,6 +114,7 @@ class EngineStats:
     # Calls whose tokens were ready before the work beside them ended: the device may have
     # waited for the host there (the work's excess over the call counts as the call's time).
     beside_overran: int = 0
+    delivered_beside_call: int = 0  # tokens and endings handed to requests while a call ran
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,6 +292,8 @@ class Engine:
         # Slot -> (its request, the tokens committed for it): the next call's prefill memory,
         # committed beside the last call (_plan_ahead); check_memory allows for it.
         self._ahead: dict[int, tuple[_Seq, int]] = {}
+        # Tokens and endings not yet handed to their requests (_deliver), in order.
+        self._outbox: list[tuple[Request, Delta | Completion]] = []
         self._admissions = 0
         self._traces = {"prefill": 0, "decode": 0}
         # The caches are donated: XLA writes the arena's memory in place (SlotCache.writes_back:
@@ -526,7 +529,15 @@ class Engine:
 
     def step(self) -> bool:
         """One scheduling iteration; returns whether any work remains. Call it from one
-        thread at a time (start() runs it on a background thread)."""
+        thread at a time (start() runs it on a background thread). Its tokens and endings
+        have reached their requests when it returns."""
+        return self._step(defer_delivery=False)
+
+    def _step(self, defer_delivery: bool) -> bool:
+        """step(); with defer_delivery (the background driver), the tokens and endings of
+        this step's call reach their requests while the next call runs (_deliver), unless
+        no call follows: streaming to clients (a listener per request, an event loop's
+        wake-up: ~6 us each) is then host work the device does not wait for."""
         t0 = time.perf_counter()
         try:
             self._end_cancelled()
@@ -542,6 +553,9 @@ class Engine:
                 decode_s = self._run_decode(rows)
             else:
                 self._retire()  # no call to overlap
+            work = self.has_work()
+            if not (defer_delivery and work and (prefill_tokens or rows)):
+                self._deliver()
         except BaseException as error:
             self._fail(error)
             raise
@@ -553,7 +567,7 @@ class Engine:
         self.stats.host_seconds += elapsed - device
         self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, self.cache.held_bytes)
         self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, self.cache.live_bytes)
-        return self.has_work()
+        return work
 
     def warm_up(self) -> None:
         """Compiles every prefill bucket (16 .. prefill_chunk_tokens) and the decode step, by
@@ -978,6 +992,7 @@ class Engine:
         t1 = time.perf_counter()
         try:
             with self.cache.beside_step():
+                self.stats.delivered_beside_call += self._deliver()  # the last call's tokens
                 self._commit_ahead(rows)  # the running requests' memory first
                 self._plan_ahead(counts)
                 self._retire()
@@ -1123,7 +1138,7 @@ class Engine:
             reason = FINISH_LENGTH
         if reason is not None and seq.text is not None:
             text += seq.text.finish()
-        seq.request._push([Delta(token, text)])
+        self._outbox.append((seq.request, Delta(token, text)))
         if reason is not None:
             self._finish(seq, reason, defer=True)
 
@@ -1142,17 +1157,34 @@ class Engine:
             else:  # after an error the slot's bytes are not trusted: no block is cached
                 self._release(seq, keep_partial=reason != FINISH_ERROR)
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
-        seq.request._finish(
-            Completion(
-                request_id=seq.request.id,
-                prompt_tokens=len(seq.prompt),
-                tokens=list(seq.generated),
-                text=None if seq.text is None else seq.text.released,
-                finish_reason=reason,
-                error=error,
-                preemptions=seq.preemptions,
-            )
+        completion = Completion(
+            request_id=seq.request.id,
+            prompt_tokens=len(seq.prompt),
+            tokens=list(seq.generated),
+            text=None if seq.text is None else seq.text.released,
+            finish_reason=reason,
+            error=error,
+            preemptions=seq.preemptions,
         )
+        self._outbox.append((seq.request, completion))
+
+    def _deliver(self, robust: bool = False) -> int:
+        """Hands the tokens and endings the engine produced since the last delivery to their
+        requests, in order (their waiters and listeners run here); returns how many. A
+        listener's error leaves the rest in the outbox and is raised (the step fails, and
+        _fail delivers them `robust`ly: each one, whatever the listeners raise)."""
+        outbox, self._outbox = self._outbox, []
+        for i, (request, item) in enumerate(outbox):
+            try:
+                if isinstance(item, Completion):
+                    request._finish(item)
+                else:
+                    request._push([item])
+            except Exception:
+                if not robust:
+                    self._outbox[:0] = outbox[i + 1 :]
+                    raise
+        return len(outbox)
 
     def _fail_row(self, seq: _Seq, code: int, where: str) -> None:
         cause = STATUS_CAUSES.get(code, f"unknown status {code}")
@@ -1181,18 +1213,13 @@ class Engine:
                 self._finish(seq, FINISH_ERROR, error)
             except Exception:  # noqa: BLE001 - the cache may be broken: end the request anyway
                 seq.slot = None
-                seq.request._finish(
-                    Completion(
-                        seq.request.id,
-                        len(seq.prompt),
-                        list(seq.generated),
-                        None,
-                        FINISH_ERROR,
-                        error,
-                        seq.preemptions,
-                    )  # fmt: skip
-                )
+                self._outbox.append(
+                    (seq.request, Completion(seq.request.id, len(seq.prompt),
+                                             list(seq.generated), None, FINISH_ERROR, error,
+                                             seq.preemptions))
+                )  # fmt: skip
         self._slots = [None] * self.max_slots
+        self._deliver(robust=True)  # what was produced before the failure, then its endings
 
     # -- memory ---------------------------------------------------------------------------
 
@@ -1252,7 +1279,7 @@ class Engine:
                 if self._failure is not None:
                     return
             try:
-                self.step()
+                self._step(defer_delivery=True)
             except BaseException:  # noqa: BLE001 - _fail ended every request with it
                 return
 
@@ -1299,6 +1326,7 @@ class Engine:
 
     def _free(self) -> None:
         try:
+            self._deliver(robust=True)  # nothing is left there after a drained driver
             if self._failure is None:
                 self._retire()
             self._inputs.close()

@@ -198,8 +198,8 @@ def test_queue_full_is_429_and_draining_is_503(tiny_model):
     body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 3}
     with running(app) as base:
         gate = threading.Event()
-        step = engine.step
-        engine.step = lambda: (gate.wait(), step())[1]  # hold the engine between steps
+        step = engine._step  # what the background driver calls
+        engine._step = lambda **kw: (gate.wait(), step(**kw))[1]  # hold it between steps
         results = []
         threads = [
             threading.Thread(target=lambda: results.append(post(base, "/v1/completions", body)))
