@@ -553,9 +553,9 @@ class Engine:
                 decode_s = self._run_decode(rows)
             else:
                 self._retire()  # no call to overlap
-            work = self.has_work()
-            if not (defer_delivery and work and (prefill_tokens or rows)):
+            if not (defer_delivery and (prefill_tokens or rows) and self.has_work()):
                 self._deliver()
+            work = self.has_work()  # after the delivery: a listener may have submitted
         except BaseException as error:
             self._fail(error)
             raise
@@ -1171,19 +1171,25 @@ class Engine:
     def _deliver(self, robust: bool = False) -> int:
         """Hands the tokens and endings the engine produced since the last delivery to their
         requests, in order (their waiters and listeners run here); returns how many. A
-        listener's error leaves the rest in the outbox and is raised (the step fails, and
-        _fail delivers them `robust`ly: each one, whatever the listeners raise)."""
+        listener's error (a KeyboardInterrupt too) leaves the rest in the outbox and is
+        raised: the step fails, and _fail delivers them `robust`ly, each one whatever the
+        listeners raise (then raising the first interrupt among those, if any)."""
         outbox, self._outbox = self._outbox, []
+        interrupt: BaseException | None = None
         for i, (request, item) in enumerate(outbox):
             try:
                 if isinstance(item, Completion):
                     request._finish(item)
                 else:
                     request._push([item])
-            except Exception:
+            except BaseException as error:
                 if not robust:
                     self._outbox[:0] = outbox[i + 1 :]
                     raise
+                if interrupt is None and not isinstance(error, Exception):
+                    interrupt = error
+        if interrupt is not None:
+            raise interrupt
         return len(outbox)
 
     def _fail_row(self, seq: _Seq, code: int, where: str) -> None:

@@ -92,3 +92,38 @@ def test_a_listener_that_raises_fails_the_engine_and_loses_no_request(model, rng
         assert any(r.completion.finish_reason == FINISH_ERROR for r in reqs)
         with pytest.raises(EngineError):
             eng.submit([1, 2, 3], 2)
+
+
+class Interrupt(BaseException):
+    """As KeyboardInterrupt: not an Exception."""
+
+
+def test_an_interrupt_in_a_listener_loses_no_ending(model, rng):
+    """A's listener raises an interrupt at A's 2nd token; B gets its 2nd token and its ending
+    in the same step, after A's token in the outbox: the step fails, and B still gets both
+    (found by review: the rest of the outbox was dropped on a BaseException, and B, ended and
+    retiring, was released by _fail without an ending)."""
+    a_ids, b_ids = prompts(rng, model, 2, 8, 9)
+    eng = engine(model)
+    try:
+        a = eng.submit(a_ids, 10, stop_token_ids=[])
+        b = eng.submit(b_ids, 2, stop_token_ids=[])
+        fired = []
+
+        def boom():
+            if a.streamed == 2 and not fired:
+                fired.append(1)
+                raise Interrupt()
+
+        a.add_listener(boom)
+        eng.step()  # the prompts' call: one token each
+        with pytest.raises(Interrupt):
+            eng.step()
+        assert a.done and b.done
+        assert [d.token for d in b.deltas_from(0)[0]] == b.completion.tokens
+        assert b.completion.finish_reason == FINISH_LENGTH
+    finally:
+        try:
+            eng.close()
+        except BaseException:  # noqa: BLE001 - the engine failed: its close may raise too
+            pass
