@@ -1012,8 +1012,9 @@ class Engine:
         """Commits, while the call runs, the granule a decoding row's next token enters (a
         row crosses into one every granule's tokens: 64 bindings' commits at 8B), so the next
         step's planning finds it backed. The new granules lie past the bound the call was
-        given; a row that ends on this call's token by length gets none. Short of memory it
-        stops: the next planning evicts, preempts or waits, as before."""
+        given; a row that ends on this call's token by length gets none. Short of memory
+        (after the ended requests' slots and the unused prefix blocks, as _commit takes them)
+        it stops: the next planning preempts or waits, as before."""
         backed = self.cache.committed_tokens()
         t0 = time.perf_counter()
         try:
