@@ -187,8 +187,10 @@ def test_sample_rows_equals_sample_row_by_row(rng):
         got = np.asarray(step(logits, keys, *rows_of(samplings))).tolist()
         want = [int(sample(logits[b : b + 1], keys[b], s)[0]) for b, s in enumerate(samplings)]
         assert got == want, trial
-        drawn.add(got[1])
-    assert len(drawn) > 1  # the sampled rows really sample
+        drawn.add(tuple(got[1:-1]))
+    # The sampled rows really sample. Over all five: one row's draws can all be its argmax
+    # (TEST_SEED=158140803: row 1's top logit led by enough that 16 draws at 0.7 agreed).
+    assert len(drawn) > 1
     argmax = np.argmax(np.asarray(logits), axis=-1)
     assert got[0] == argmax[0] and got[-1] == argmax[-1]
 
