@@ -12,6 +12,7 @@ prefill's commits and admissions), which a GPU step of ~10 ms hides. It also tim
 benchmark's per-step reads (held, committed and live bytes).
 
     python bench/engine_host.py [--requests 200] [--no-prefix] [--decode-only] [--profile]
+        [--listeners] [--driver]   # the server's per-token wake-up; delivered beside the call
 
 The host driver zeroes committed granules with memset and maps each with mmap; the CUDA driver
 does both asynchronously. Those lines of the profile are this stand-in's cost. The zero mappings
@@ -21,9 +22,11 @@ need `vm.max_map_count` above 262k: `sysctl -w vm.max_map_count=2000000`.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import cProfile
 import dataclasses
 import pstats
+import threading
 import time
 
 import jax.numpy as jnp
@@ -45,6 +48,16 @@ def main() -> None:
         "--no-hand-over",
         action="store_true",
         help="an ended slot is released and committed again, never handed over",
+    )
+    ap.add_argument(
+        "--listeners",
+        action="store_true",
+        help="each request gets the server's listener (an event loop's call_soon_threadsafe)",
+    )
+    ap.add_argument(
+        "--driver",
+        action="store_true",
+        help="step as the background driver does (tokens delivered beside the next call)",
     )
     args = ap.parse_args()
 
@@ -86,15 +99,22 @@ def main() -> None:
     else:  # bench/serve.py's mixed workload
         prompts = np.minimum(rng.lognormal(np.log(300), 1.0, n).astype(int) + 1, 8192)
         outs = np.minimum(rng.lognormal(np.log(200), 1.0, n).astype(int) + 1, 2048)
+    loop = None
+    if args.listeners:  # as jax_kv/server/app.py registers it, on a running event loop
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, daemon=True).start()
+        woken = asyncio.Event()
     for p, o in zip(prompts, outs, strict=True):
-        eng.submit([int(t) for t in rng.integers(3, 500, p)], int(o), stop_token_ids=[])
+        r = eng.submit([int(t) for t in rng.integers(3, 500, p)], int(o), stop_token_ids=[])
+        if loop is not None:
+            r.add_listener(lambda: loop.call_soon_threadsafe(woken.set))
     cache, profile = eng.cache, cProfile.Profile()
     step_s, read_s, full = [], [], []
     while eng.has_work():
         t = time.perf_counter()
         if args.profile:
             profile.enable()
-        eng.step()
+        eng._step(defer_delivery=args.driver)
         if args.profile:
             profile.disable()
         step_s.append(time.perf_counter() - t)
@@ -134,6 +154,8 @@ def main() -> None:
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     eng.close()
     arena.close()
+    if loop is not None:
+        loop.call_soon_threadsafe(loop.stop)
 
 
 if __name__ == "__main__":
