@@ -31,7 +31,6 @@ one chunk's compute at most, and never stops them.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import threading
 import time
@@ -100,7 +99,7 @@ class EngineStats:
     # Slots of requests that ended in a call, released while the next call ran (their rows
     # idle in it): the unmaps overlap the device instead of adding to the step.
     releases_beside_step: int = 0
-    commits_ahead: int = 0  # decoding rows' next granules committed while a call ran
+    commits_ahead: int = 0  # next decode steps' granules committed while a call ran
     # The next call's prefill memory, committed while a call ran (Engine._plan_ahead):
     admitted_ahead: int = 0  # admissions
     pieces_ahead: int = 0  # running prefills' next pieces that needed granules
@@ -824,12 +823,11 @@ class Engine:
         for it (SlotCache.beside_step)."""
         if not self._retiring:
             return
-        beside_step = self._in_flight is not None
+        beside_step = self._in_flight is not None  # inside _call's cache.beside_step()
         t0 = time.perf_counter()
-        with self.cache.beside_step() if beside_step else contextlib.nullcontext():
-            for b in [only] if only is not None else list(self._retiring):
-                self._release(self._retiring.pop(b), keep_partial=False)
-                self.stats.releases_beside_step += beside_step
+        for b in [only] if only is not None else list(self._retiring):
+            self._release(self._retiring.pop(b), keep_partial=False)
+            self.stats.releases_beside_step += beside_step
         if beside_step:
             self.stats.release_beside_step_seconds += time.perf_counter() - t0
 
@@ -993,7 +991,7 @@ class Engine:
         try:
             with self.cache.beside_step():
                 self.stats.delivered_beside_call += self._deliver()  # the last call's tokens
-                self._commit_ahead(rows)  # the running requests' memory first
+                self._commit_ahead(rows, counts)  # the running requests' memory first
                 self._plan_ahead(counts)
                 self._retire()
         finally:
@@ -1008,21 +1006,30 @@ class Engine:
             self.stats.decode_compiles += compiled
         return sampled, status, seconds
 
-    def _commit_ahead(self, rows: list[_Seq]) -> None:
-        """Commits, while the call runs, the granule a decoding row's next token enters (a
-        row crosses into one every granule's tokens: 64 bindings' commits at 8B), so the next
-        step's planning finds it backed. The new granules lie past the bound the call was
-        given; a row that ends on this call's token by length gets none. Short of memory
-        (after the ended requests' slots and the unused prefix blocks, as _commit takes them)
-        it stops: the next planning preempts or waits, as before."""
+    def _commit_ahead(self, rows: list[_Seq], counts: np.ndarray | None) -> None:
+        """Commits, while the call runs, the granule each row's next decode step writes in:
+        the decoding `rows`' (a row crosses into a new granule every granule's tokens: 64
+        bindings' commits at 8B) and those whose prefill ends in the call (`counts`), so the
+        next planning finds it backed. The new granules lie past the bound the call was
+        given; a row whose request ends on this call's token by length gets none. Short of
+        memory (after the ended requests' slots and the unused prefix blocks, as _commit
+        takes them) it stops: the next planning preempts or waits, as before."""
         backed = self.cache.committed_tokens()
+        # (row, tokens in its slot after the call, tokens generated after the call): a
+        # prompt's last piece samples the first token, a re-prefill's samples none.
+        nexts = [(seq, seq.cached + 1, len(seq.generated) + 1) for seq in rows]
+        if counts is not None:
+            for b in np.flatnonzero(counts):
+                seq = self._slots[b]
+                assert seq is not None
+                written = seq.cached + int(counts[b])
+                if written == seq.prefill_target:
+                    nexts.append((seq, written, max(1, len(seq.generated))))
         t0 = time.perf_counter()
         try:
-            for seq in rows:
-                b, need = seq.slot, seq.cached + 2
-                if need <= backed[b] or need > self.max_len:
-                    continue
-                if len(seq.generated) + 1 >= seq.max_new:
+            for seq, written, generated in nexts:
+                b, need = seq.slot, written + 1
+                if need <= backed[b] or need > self.max_len or generated >= seq.max_new:
                     continue
                 try:
                     committed = self._commit(b, need)
@@ -1034,9 +1041,9 @@ class Engine:
 
     def _plan_ahead(self, counts: np.ndarray | None) -> None:
         """Commits, while the call runs, the memory of the next call's prefill as the next
-        planning would: the prefilling slots' next pieces in admission order (where a prompt
-        ends in this call, the granule of its first decoded token), then, while the chunk has
-        room, queued requests admitted FIFO into free or ending slots (_admit). The next
+        planning would: the prefilling slots' next pieces in admission order, then, while the
+        chunk has room, queued requests admitted FIFO into free or ending slots (_admit). The
+        next
         planning finds the memory there; it plans the call as before, decoding rows first
         (which may preempt these admissions: they are the youngest). Short of memory it
         stops, leaving the rest to the next planning."""
@@ -1046,17 +1053,10 @@ class Engine:
             b = seq.slot
             assert b is not None
             written = seq.cached + (0 if counts is None else int(counts[b]))
-            if written < seq.prefill_target:
-                n = min(seq.prefill_target - written, room)
-                if n == 0:
-                    continue
-                target, room = written + n, room - n
-            elif counts is not None and counts[b] and max(1, len(seq.generated)) < seq.max_new:
-                # Its prefill ends in this call (a prompt's samples the first token, a
-                # re-prefill's samples none): the granule of its next decode step.
-                target = written + 1
-            else:
+            n = min(seq.prefill_target - written, room)
+            if n <= 0:
                 continue
+            target, room = written + n, room - n
             try:
                 if self._commit(b, target):
                     self.stats.pieces_ahead += 1
