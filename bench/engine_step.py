@@ -18,7 +18,17 @@ Per N (busy slots, each holding a P-token prompt, all decoding; prefix cache off
   (tokens_per_call 1, its second run: compiles excluded);
 - `roofline`: (weight bytes + live KV bytes) / the device's HBM bandwidth.
 
+With `--piece P` (P a prefill bucket; busy < slots), the Engine's mixed call is taken apart
+too, pipelined as above: a P-token piece packed into an idle slot beside the N decoding rows
+(`mixed`), the same piece with the decoding rows idle (`piece only`: their B tokens still pass
+through the projections and the MLP, their attention reads nothing), and the share a piece
+token costs (`(mixed - decode) / P`, against the GEMMs' FLOPs at the device's dense bf16
+rate). With `--profile`, each call is recorded once under `jax.profiler.trace` and its device
+time split into GEMMs, the attention ops and the rest (bench/step_profile.py's reader).
+
     python bench/engine_step.py --out DIR [--model llama-3-8b] [--busy 1,16,64]
+    python bench/engine_step.py --out DIR --slots 256 --max-len 8192 --busy 1,64,255 \\
+        --prompt 1000 --piece 512 --profile                     # the mixed call at 256 slots
     python bench/engine_step.py --out DIR --model tiny-llama --dtype float32 --slots 8 \\
         --busy 1,8 --prompt 100 --max-len 1024 --steps 20       # a CPU smoke run
 """
@@ -27,9 +37,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
+import re
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,6 +60,14 @@ from jax_kv.layout import Layout
 
 # Bytes per second by device kind (the datasheets' HBM figures); others: no roofline.
 HBM_BYTES_PER_S = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12}
+# Dense bf16 FLOP/s by device kind (the SXM datasheets' figure without sparsity).
+BF16_FLOP_PER_S = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12}
+# Device kernels by what they are, first match wins (cuBLAS / cuBLASLt / CUTLASS GEMM names;
+# the jax_kv attention kernels; everything else is XLA's fusions, copies, sort and reductions).
+KERNEL_KINDS = (
+    ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|sm90_|sm80_|cublas", re.I)),
+    ("attention", re.compile(r"gqa|Gqa|attention", re.I)),
+)
 
 
 def host_calls() -> int | None:
@@ -137,6 +159,96 @@ def time_pipelined(eng: Engine, steps: int, step=None, fresh: bool = False) -> t
     return seconds / steps * 1e3, calls
 
 
+def matmul_flops(config, tokens: int) -> float:
+    """FLOPs of the projections and the MLP for `tokens` rows (the logits are per sequence,
+    left out): 2 * tokens * the decoder's weight elements."""
+    H, D = config.hidden_size, config.head_dim
+    qkv = H * (config.num_q_heads + 2 * config.num_kv_heads) * D
+    per_layer = qkv + config.num_q_heads * D * H + 3 * H * config.intermediate_size
+    return 2.0 * tokens * per_layer * config.num_layers
+
+
+def kernel_split(calls: int, run) -> dict:
+    """Device microseconds per call of `run()` (which makes `calls` calls) by kernel kind,
+    from one jax.profiler trace."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from jax.profiler import ProfileData
+    from step_profile import device_kernels
+
+    with tempfile.TemporaryDirectory() as d:
+        opts = jax.profiler.ProfileOptions()
+        opts.python_tracer_level = 0
+        with jax.profiler.trace(d, profiler_options=opts):
+            run()
+        (xplane,) = Path(d).rglob("*.xplane.pb")
+        events = device_kernels(ProfileData.from_file(str(xplane)))
+    split = dict.fromkeys([k for k, _ in KERNEL_KINDS] + ["other"], 0.0)
+    names: dict[str, float] = {}
+    for start, end, name in events:
+        kind = next((k for k, rx in KERNEL_KINDS if rx.search(name)), "other")
+        split[kind] += (end - start) / 1e3 / calls
+        names[name[:60]] = names.get(name[:60], 0.0) + (end - start) / 1e3 / calls
+    split["top"] = dict(sorted(names.items(), key=lambda kv: -kv[1])[:8])
+    return split
+
+
+def call_prefill(eng: Engine, name: str, holder: list, sampling: tuple, n: int) -> None:
+    """n calls of the Engine's compiled prefill step on its written inputs, back to back:
+    holder = [caches (fed back), last sampled tokens]; waits for the last."""
+    inputs = eng._inputs
+    for _ in range(n):
+        holder[1], holder[0], _ = eng._prefill(
+            eng.params, inputs[name], inputs["cu_seqlens"], holder[0], inputs["lengths"],
+            eng.cache.committed, inputs["tokens"], inputs["bound"], *sampling,
+        )  # fmt: skip
+    jax.block_until_ready(holder[1])
+
+
+def time_mixed(eng: Engine, piece: int, steps: int, profile: bool) -> dict:
+    """The Engine's compiled prefill call with a `piece`-token prompt piece in an idle slot,
+    beside the decoding rows (`mixed`) and with them idle (`piece only`), called back to back
+    on the same inputs as time_pipelined does. The piece's slot is released afterwards."""
+    if piece not in eng.prefill_buckets():
+        raise SystemExit(f"--piece: expected one of the prefill buckets {eng.prefill_buckets()}")
+    idle = [b for b, s in enumerate(eng._slots) if s is None]
+    if not idle:
+        raise SystemExit("--piece: needs a free slot beside the busy ones (busy < slots)")
+    s = idle[0]
+    rows = [q for q in eng._slots if q is not None]
+    for q in rows:
+        eng.cache.ensure_slot(q.slot, int(eng.cache.lengths[q.slot]) + 1)
+    eng.cache.ensure_slot(s, piece)
+    counts = np.zeros((eng.max_slots,), np.int32)
+    counts[s] = piece
+    cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    name = f"prefill_tokens_{piece}"
+    rng = np.random.default_rng(1)
+    lengths = eng._lengths()
+    tokens = rng.integers(3, eng.model.config.vocab_size, piece).astype(np.int32)
+    decode_tokens = np.full((eng.max_slots,), 3, np.int32)
+    sampling = eng._sampling_args()
+    out: dict = {}
+    try:
+        for label, bound in (
+            ("mixed", eng._decode_bound(rows)),
+            ("piece_only", np.zeros((eng.max_slots,), np.int32)),
+        ):
+            eng._inputs.write(lengths=lengths, cu_seqlens=cu, tokens=decode_tokens, bound=bound,
+                              **{name: tokens})  # fmt: skip
+            holder = [eng._caches(), None]
+            run = functools.partial(call_prefill, eng, name, holder, sampling)
+            run(1)
+            t0 = time.perf_counter()
+            run(steps)
+            out[f"{label}_ms"] = (time.perf_counter() - t0) / steps * 1e3
+            if profile:
+                out[f"{label}_kernels_us"] = kernel_split(steps, functools.partial(run, steps))
+            eng._accept(holder[0], verify=False)
+    finally:
+        eng.cache.release_slot(s)
+    return out
+
+
 def generator_step_ms(model, prompts: list[list[int]], new: int, max_len: int) -> float:
     gen = Generator(model, max_len=max_len)
     gen.generate(prompts, new, stop_tokens=[])  # compiles
@@ -154,6 +266,17 @@ def main() -> None:
     ap.add_argument("--busy", default="1,16,64")
     ap.add_argument("--prompt", type=int, default=1000, help="tokens per busy slot")
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument(
+        "--piece",
+        type=int,
+        default=0,
+        help="also time the mixed call with a piece of this many prompt tokens",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="split the calls' device time by kernel kind (jax.profiler)",
+    )
     args = ap.parse_args()
 
     preset = jm.PRESETS[args.model]
@@ -183,6 +306,15 @@ def main() -> None:
                 eng, args.steps, fresh=True
             )
             row["bare_ms"], _ = time_pipelined(eng, args.steps, bare)
+            if args.profile:
+                row["decode_kernels_us"] = kernel_split(
+                    args.steps + 1, lambda: time_pipelined(eng, args.steps)
+                )
+            if args.piece:
+                row.update(time_mixed(eng, args.piece, args.steps, args.profile))
+                added = (row["mixed_ms"] - row["pipelined_ms"]) / 1e3
+                row["piece_token_us"] = added / args.piece * 1e6
+                row["piece_tflop_s"] = matmul_flops(config, args.piece) / added / 1e12
             live = eng.cache.live_bytes
             row["live_kv_bytes"] = int(live)
             for r in reqs:
@@ -213,6 +345,38 @@ def main() -> None:
             f"({count(r['fresh_inputs_host_calls'])}) | {r['bare_ms']:.2f} | "
             f"{r['generator_ms']:.2f} | {roof} |"
         )
+    if args.piece:
+        peak = BF16_FLOP_PER_S.get(kind)
+        print(
+            f"\nThe mixed call: a {args.piece}-token piece beside the busy rows' decode "
+            "(pipelined ms; the piece's TFLOP/s counts its projections and MLP alone"
+            + (f", against {peak / 1e12:.0f} dense bf16" if peak else "")
+            + ")\n"
+            "| busy | decode ms | mixed ms | piece only ms | added by the piece ms "
+            "| per piece token us | piece TFLOP/s |\n|---|---|---|---|---|---|---|"
+        )
+        for r in rows:
+            print(
+                f"| {r['busy']} | {r['pipelined_ms']:.2f} | {r['mixed_ms']:.2f} | "
+                f"{r['piece_only_ms']:.2f} | {r['mixed_ms'] - r['pipelined_ms']:.2f} | "
+                f"{r['piece_token_us']:.1f} | {r['piece_tflop_s']:.0f} |"
+            )
+    if args.profile:
+        print("\nDevice us per call by kernel kind (gemm / attention / other), profiled")
+        for r in rows:
+            for label in ("decode", "mixed", "piece_only"):
+                split = r.get(f"{label}_kernels_us")
+                if split:
+                    # Every row is on the token axis of the GEMMs, busy or not.
+                    m = args.slots + (args.piece if label != "decode" else 0)
+                    gemm = split["gemm"]
+                    rate = matmul_flops(config, m) / (gemm / 1e6) / 1e12 if gemm else 0.0
+                    print(
+                        f"busy {r['busy']:>3} {label:>10}: gemm {gemm:8.0f} ({rate:4.0f} "
+                        f"TFLOP/s at M={m}), attention {split['attention']:7.0f}, other "
+                        f"{split['other']:7.0f}; top: "
+                        + ", ".join(f"{k} {v:.0f}" for k, v in list(split["top"].items())[:4])
+                    )
     args.out.mkdir(parents=True, exist_ok=True)
     tag = os.environ.get("JAX_KV_COMMIT", "")
     path = (
