@@ -273,6 +273,12 @@ def main() -> None:
         help="also time the mixed call with a piece of this many prompt tokens",
     )
     ap.add_argument(
+        "--generator",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time the Generator's step at B=busy too",
+    )
+    ap.add_argument(
         "--profile",
         action="store_true",
         help="split the calls' device time by kernel kind (jax.profiler)",
@@ -320,7 +326,10 @@ def main() -> None:
             for r in reqs:
                 r.cancel()
             eng.run_until_idle()
-            row["generator_ms"] = generator_step_ms(model, prompts, args.steps + 1, args.max_len)
+            if args.generator:
+                row["generator_ms"] = generator_step_ms(
+                    model, prompts, args.steps + 1, args.max_len
+                )
             if bandwidth:
                 row["roofline_ms"] = (weight_bytes + live) / bandwidth * 1e3
             rows.append(row)
@@ -343,7 +352,7 @@ def main() -> None:
             f"{count(r['host_calls_per_step'])} | {r['pipelined_ms']:.2f} "
             f"({count(r['pipelined_host_calls'])}) | {r['fresh_inputs_ms']:.2f} "
             f"({count(r['fresh_inputs_host_calls'])}) | {r['bare_ms']:.2f} | "
-            f"{r['generator_ms']:.2f} | {roof} |"
+            f"{r.get('generator_ms', float('nan')):.2f} | {roof} |"
         )
     if args.piece:
         peak = BF16_FLOP_PER_S.get(kind)
