@@ -82,13 +82,15 @@ def main() -> None:
     status = jnp.zeros((B,), jnp.int32)
 
     def step_stub(caches_at):
-        def run(params, *step_args):  # (sampled [B], caches, status [B])
+        def run(params, *step_args):  # (logits, positions [B], caches, status [B])
+            # The "logits" are the tokens themselves; the greedy picker passes them on.
             sampled = jnp.asarray(rng.integers(3, 500, B).astype(np.int32))
-            return sampled, step_args[caches_at - 1], status
+            return sampled, status, step_args[caches_at - 1], status
 
         return run
 
     eng._prefill, eng._decode = step_stub(3), step_stub(2)  # caches: argnum 3 / 2 of run()
+    eng._greedy = lambda tokens: tokens
     eng._accept = lambda caches, verify: None  # nothing computed: nothing to write back
     if args.no_hand_over:
         eng.cache.owns_all = lambda b: False

@@ -13,7 +13,8 @@ Per N (busy slots, each holding a P-token prompt, all decoding; prefix cache off
 - `fresh inputs`: the same with new device arrays for tokens, lengths and bound at every call,
   as the Engine passed them before they had fixed addresses (jax_kv/engine/inputs.py): if XLA
   re-records the graph for them, the host calls say so and the time says what it costs;
-- `bare`: the same, without the Engine's per-row sampling (argmax, no `lax.cond`);
+- `bare`: the decode step and its argmax in one compiled call (the Engine picks the tokens
+  in a second call, chosen on the host: argmax or the sampler);
 - `Generator`: Generator.generate's decode seconds per step on the same N prompts at B=N
   (tokens_per_call 1, its second run: compiles excluded);
 - `roofline`: (weight bytes + live KV bytes) / the device's HBM bandwidth.
@@ -105,18 +106,28 @@ def time_steps(eng: Engine, steps: int) -> dict:
     )
 
 
+def engine_decode(eng: Engine):
+    """The Engine's decode call as it runs it: the compiled step, then the greedy picker
+    (every row here is greedy) -> (tokens [B], caches)."""
+
+    def call(params, tokens, caches, lengths, committed):
+        logits, _, caches, _ = eng._decode(params, tokens, caches, lengths, committed)
+        return eng._greedy(logits), caches
+
+    return call
+
+
 def bare_decode(eng: Engine):
-    """The Engine's decode step without its sampling (greedy argmax, no `lax.cond`): the
-    difference to the Engine's own is what sample_rows costs on the device."""
+    """The Engine's decode step with its argmax inside one compiled call: the difference to
+    the Engine's own is what the picker's second call costs on the device."""
     model, attention = eng.model, eng._attention["decode"]
 
-    def run(params, tokens, caches, lengths, committed, *sampling):
-        del sampling
-        logits, caches, status = model.decode_step(
+    def run(params, tokens, caches, lengths, committed):
+        logits, caches, _ = model.decode_step(
             params, tokens, caches, lengths, layout=Layout.SEQ_MAJOR, committed=committed,
             **attention,
         )  # fmt: skip
-        return argmax_rows(logits), caches, status
+        return argmax_rows(logits), caches
 
     return jax.jit(run, donate_argnums=(2,))
 
@@ -127,7 +138,7 @@ def time_pipelined(eng: Engine, steps: int, step=None, fresh: bool = False) -> t
     each call rewrites the same positions). The per-step inputs are the Engine's own, at fixed
     addresses, or with `fresh` new device arrays every call (as the Engine passed them before
     StepInputs): the difference is what re-recording the CUDA graph costs."""
-    step = eng._decode if step is None else step
+    step = engine_decode(eng) if step is None else step
     busy = [b for b, s in enumerate(eng._slots) if s is not None]
     for b in busy:  # the next token's granule, as a real step reserves it
         eng.cache.ensure_slot(b, int(eng.cache.lengths[b]) + 1)
@@ -142,7 +153,6 @@ def time_pipelined(eng: Engine, steps: int, step=None, fresh: bool = False) -> t
             return jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(bound)
         return inputs["tokens"], inputs["lengths"], inputs["bound"]
 
-    sampling = eng._sampling_args()
     caches = eng._caches()
     out = None
     t0, c0 = 0.0, None
@@ -151,7 +161,7 @@ def time_pipelined(eng: Engine, steps: int, step=None, fresh: bool = False) -> t
             jax.block_until_ready(out)
             t0, c0 = time.perf_counter(), host_calls()
         tok, lens, bnd = args()
-        out, caches, _ = step(eng.params, tok, caches, lens, bnd, *sampling)
+        out, caches = step(eng.params, tok, caches, lens, bnd)
     jax.block_until_ready(out)
     seconds = time.perf_counter() - t0
     calls = None if c0 is None else (host_calls() - c0) / steps
@@ -192,15 +202,16 @@ def kernel_split(calls: int, run) -> dict:
     return split
 
 
-def call_prefill(eng: Engine, name: str, holder: list, sampling: tuple, n: int) -> None:
+def call_prefill(eng: Engine, name: str, holder: list, n: int) -> None:
     """n calls of the Engine's compiled prefill step on its written inputs, back to back:
     holder = [caches (fed back), last sampled tokens]; waits for the last."""
     inputs = eng._inputs
     for _ in range(n):
-        holder[1], holder[0], _ = eng._prefill(
+        logits, _, holder[0], _ = eng._prefill(
             eng.params, inputs[name], inputs["cu_seqlens"], holder[0], inputs["lengths"],
-            eng.cache.committed, inputs["tokens"], inputs["bound"], *sampling,
+            eng.cache.committed, inputs["tokens"], inputs["bound"],
         )  # fmt: skip
+        holder[1] = eng._greedy(logits)
     jax.block_until_ready(holder[1])
 
 
@@ -226,7 +237,6 @@ def time_mixed(eng: Engine, piece: int, steps: int, profile: bool) -> dict:
     lengths = eng._lengths()
     tokens = rng.integers(3, eng.model.config.vocab_size, piece).astype(np.int32)
     decode_tokens = np.full((eng.max_slots,), 3, np.int32)
-    sampling = eng._sampling_args()
     out: dict = {}
     try:
         for label, bound in (
@@ -236,7 +246,7 @@ def time_mixed(eng: Engine, piece: int, steps: int, profile: bool) -> dict:
             eng._inputs.write(lengths=lengths, cu_seqlens=cu, tokens=decode_tokens, bound=bound,
                               **{name: tokens})  # fmt: skip
             holder = [eng._caches(), None]
-            run = functools.partial(call_prefill, eng, name, holder, sampling)
+            run = functools.partial(call_prefill, eng, name, holder)
             run(1)
             t0 = time.perf_counter()
             run(steps)

@@ -257,6 +257,7 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> 
         out.update(
             decode_compiles_after_warmup=s.decode_compiles - s0.decode_compiles,
             prefill_compiles_after_warmup=s.prefill_compiles - s0.prefill_compiles,
+            sampler_compiles_after_warmup=s.sampler_compiles - s0.sampler_compiles,
             preemptions=s.preemptions - s0.preemptions,
             steps=s.steps - s0.steps,
             # Calls: the decode step's, the prefill step's, and those of them that also
@@ -457,7 +458,8 @@ def print_row(rate: str, name: str, m: dict, args) -> None:
             f"{fmt_bytes(m['mean_floor_bytes'])}), peak "
             f"{fmt_bytes(m['peak_held_kv_bytes'])}{physical}; decode compiles "
             f"{m['decode_compiles_after_warmup']}, prefill compiles "
-            f"{m['prefill_compiles_after_warmup']}; preemptions {m['preemptions']}; "
+            f"{m['prefill_compiles_after_warmup']}, picker compiles "
+            f"{m.get('sampler_compiles_after_warmup', '-')}; preemptions {m['preemptions']}; "
             f"scheduling {m['host_ms_per_step']:.2f} ms/step "
             f"({100 * m['host_fraction']:.1f}%"
             + (

@@ -164,19 +164,20 @@ def sample_rows(
     any mix of requests (the engine's rows): keys [B] (typed jax.random keys), temperature
     float32 [B] (a row below GREEDY_BELOW is greedy), top_k int32 [B] (0 = all), top_p
     float32 [B] in (0, 1]. Row b equals `sample(logits[b:b+1], keys[b], Sampling(...))`.
-    A step whose rows are all greedy skips the sort."""
+
+    Every call sorts the rows' logits, greedy rows included (they then take the argmax). A
+    caller that knows on the host that every row is greedy calls `argmax_rows` instead, as
+    the Engine does: choosing inside the compiled step (a `lax.cond` on a device predicate)
+    makes XLA copy the predicate to the host and block the dispatching thread until the
+    device reaches it."""
     greedy = temperature < GREEDY_BELOW
-
-    def draw(logits):
-        V = logits.shape[-1]
-        scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, GREEDY_BELOW)[:, None]
-        ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
-        k = jnp.where((top_k > 0) & (top_k < V), top_k, V)[:, None]
-        kth = jnp.take_along_axis(ordered, k - 1, axis=-1)
-        ordered = jnp.where(jnp.arange(V)[None, :] < k, ordered, -jnp.inf)  # top-k, then top-p
-        cutoff = jnp.maximum(kth, _top_p_cutoff(ordered, top_p[:, None]))
-        kept = jnp.where(scaled < cutoff, -jnp.inf, scaled)
-        drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row[None])[0])(keys, kept)
-        return jnp.where(greedy, argmax_rows(logits), drawn.astype(jnp.int32))
-
-    return jax.lax.cond(jnp.all(greedy), argmax_rows, draw, logits)
+    V = logits.shape[-1]
+    scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, GREEDY_BELOW)[:, None]
+    ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
+    k = jnp.where((top_k > 0) & (top_k < V), top_k, V)[:, None]
+    kth = jnp.take_along_axis(ordered, k - 1, axis=-1)
+    ordered = jnp.where(jnp.arange(V)[None, :] < k, ordered, -jnp.inf)  # top-k, then top-p
+    cutoff = jnp.maximum(kth, _top_p_cutoff(ordered, top_p[:, None]))
+    kept = jnp.where(scaled < cutoff, -jnp.inf, scaled)
+    drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row[None])[0])(keys, kept)
+    return jnp.where(greedy, argmax_rows(logits), drawn.astype(jnp.int32))

@@ -46,7 +46,7 @@ from jax_kv.cache import SlotCache, bucket_for
 from jax_kv.cache.kv_cache import default_arena
 from jax_kv.decode.generator import STATUS_CAUSES, StepStatusError, _check_int, stop_token_set
 from jax_kv.decode.protocol import DecoderModel
-from jax_kv.decode.sampling import GREEDY, Sampling, sample_rows
+from jax_kv.decode.sampling import GREEDY, GREEDY_BELOW, Sampling, argmax_rows, sample_rows
 from jax_kv.engine.inputs import StepInputs
 from jax_kv.engine.prefix import PrefixCache
 from jax_kv.engine.request import (
@@ -84,6 +84,7 @@ class EngineStats:
     prefill_calls: int = 0  # calls of the prefill step (which also advance the decoding rows)
     mixed_calls: int = 0  # prefill calls that advanced decoding rows too
     decode_compiles: int = 0  # 1 for the engine's life: the step has one shape
+    sampler_compiles: int = 0  # 2 for the engine's life: the greedy and the sampling picker
     prefill_compiles: int = 0  # one per prefill bucket used
     prefill_buckets: list[int] = dataclasses.field(default_factory=list)
     prefill_tokens: int = 0  # real tokens prefilled (re-prefills included)
@@ -294,12 +295,20 @@ class Engine:
         # Tokens and endings not yet handed to their requests (_deliver), in order.
         self._outbox: list[tuple[Request, Delta | Completion]] = []
         self._admissions = 0
-        self._traces = {"prefill": 0, "decode": 0}
+        self._traces = {"prefill": 0, "decode": 0, "sampler": 0}
         # The caches are donated: XLA writes the arena's memory in place (SlotCache.writes_back:
         # the host driver's stand-in, which copies instead).
         donate = not self.cache.writes_back
         self._prefill = jax.jit(self._prefill_fn(), donate_argnums=(3,) if donate else ())
         self._decode = jax.jit(self._decode_fn(), donate_argnums=(2,) if donate else ())
+        # A call's tokens are picked from its logits by a second, small compiled function,
+        # chosen on the host: argmax when every row of the call is greedy, the sampler
+        # otherwise. Why not a lax.cond inside the step: outside a CUDA graph XLA runs a
+        # conditional by copying its predicate to the host and blocking the dispatching thread
+        # until the device reaches it, i.e. until the whole forward pass has run, so the work
+        # meant to run beside the call (Engine._call) would wait for it.
+        self._greedy = jax.jit(self._greedy_fn())
+        self._sampler = jax.jit(self._sampler_fn())
         # Per-slot sampling parameters, rewritten at admission.
         B = self.max_slots
         self._temperature = np.zeros((B,), np.float32)
@@ -355,7 +364,7 @@ class Engine:
         replicated = self._replicated
 
         def run(params, tokens, cu_seqlens, caches, lengths, committed, decode_tokens,
-                decode_bound, temp, top_k, top_p, seeds):  # fmt: skip
+                decode_bound):  # fmt: skip
             self._traces["prefill"] += 1  # runs while tracing only
             logits, caches, status = model.prefill_packed(
                 params, tokens, cu_seqlens, caches, lengths, layout=Layout.SEQ_MAJOR,
@@ -365,9 +374,7 @@ class Engine:
             # The position of the token each row samples: after its piece, or its decode token.
             new = cu_seqlens[1:] - cu_seqlens[:-1]
             positions = lengths + jnp.where(new > 0, new, 1)
-            keys = _row_keys(seeds, positions)
-            sampled = sample_rows(logits, keys, temp, top_k, top_p)
-            return replicated(sampled), caches, replicated(status)
+            return logits, replicated(positions), caches, replicated(status)
 
         return run
 
@@ -376,15 +383,33 @@ class Engine:
         attention = self._attention["decode"]
         replicated = self._replicated
 
-        def run(params, tokens, caches, lengths, committed, temp, top_k, top_p, seeds):
+        def run(params, tokens, caches, lengths, committed):
             self._traces["decode"] += 1
             logits, caches, status = model.decode_step(
                 params, tokens, caches, lengths, layout=Layout.SEQ_MAJOR, committed=committed,
                 **attention,
             )  # fmt: skip
-            keys = _row_keys(seeds, lengths + 1)
-            sampled = sample_rows(logits, keys, temp, top_k, top_p)
-            return replicated(sampled), caches, replicated(status)
+            return logits, replicated(lengths + 1), caches, replicated(status)
+
+        return run
+
+    def _greedy_fn(self) -> Any:
+        replicated = self._replicated
+
+        def run(logits):  # float32 [B, V] -> int32 [B]
+            self._traces["sampler"] += 1
+            return replicated(argmax_rows(logits))
+
+        return run
+
+    def _sampler_fn(self) -> Any:
+        replicated = self._replicated
+
+        def run(logits, positions, temp, top_k, top_p, seeds):
+            # positions int32 [B]: the position of the token each row samples (its key's).
+            self._traces["sampler"] += 1
+            keys = _row_keys(seeds, positions)
+            return replicated(sample_rows(logits, keys, temp, top_k, top_p))
 
         return run
 
@@ -569,9 +594,10 @@ class Engine:
         return work
 
     def warm_up(self) -> None:
-        """Compiles every prefill bucket (16 .. prefill_chunk_tokens) and the decode step, by
-        serving a few short requests, before the background driver starts (a server is
-        ready only after this: no request then waits for a compile)."""
+        """Compiles every prefill bucket (16 .. prefill_chunk_tokens), the decode step and
+        both token pickers (argmax, sampler), by serving a few short requests, before the
+        background driver starts (a server is ready only after this: no request then waits
+        for a compile)."""
         if self._thread is not None:
             raise EngineError("warm_up: call it before start()")
         vocab = self.model.config.vocab_size
@@ -591,16 +617,20 @@ class Engine:
             smaller = n
         size = max(1, min(20, self.max_len - 3))
         for j in range(min(4, self.max_slots)):  # a packed call of several rows, a wide decode
-            self._warm_submit([1 + j] * size, min(3, self.max_len - size))
+            # The first samples: the sampler is compiled too (the others' calls: argmax).
+            sampling = Sampling(temperature=1.0) if j == 0 else None
+            self._warm_submit([1 + j] * size, min(3, self.max_len - size), sampling)
         self.run_until_idle()
 
-    def _warm_submit(self, prompt: list[int], max_new: int) -> None:
+    def _warm_submit(
+        self, prompt: list[int], max_new: int, sampling: Sampling | None = None
+    ) -> None:
         """submit() for warm_up: within the engine's own max_queue (steps until there is
         room), and refused with EngineError once shutdown() began (a server stopped while it
         compiles: warm_up then ends at its next request)."""
         while self.num_waiting >= self.max_queue:
             self.step()
-        self.submit(prompt, max_new, stop_token_ids=[])
+        self.submit(prompt, max_new, sampling, stop_token_ids=[])
 
     def run_until_idle(self, max_steps: int | None = None) -> None:
         """Steps until every submitted request finished (tests, offline use)."""
@@ -972,17 +1002,24 @@ class Engine:
     def _call(
         self, kind: str, *args: Any, rows: list[_Seq], counts: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray, float]:
-        """Runs the `kind` step on (params, *args, sampling) -> (sampled tokens [B], status
-        [B] on the host, seconds until they were there); counts its compiles (a compile is
-        a trace) and takes its caches. While it runs (the call's prefill `counts` per slot
+        """Runs the `kind` step on (params, *args), then the picker of its tokens (argmax
+        where every row of the call is greedy) -> (tokens [B], status [B] on the host,
+        seconds until they were there); counts their compiles (a compile is a trace) and
+        takes the caches. While it runs (the call's prefill `counts` per slot
         and decoding `rows` in flight), the next call's memory is committed: the decoding
         rows' next granules, then the next prefill's (_plan_ahead); then the ended requests'
         slots are released."""
         step = self._prefill if kind == "prefill" else self._decode
-        traces = self._traces[kind]
+        traces, picker_traces = self._traces[kind], self._traces["sampler"]
         t0 = time.perf_counter()
-        out, caches, status = step(self.params, *args, *self._sampling_args())
+        logits, positions, caches, status = step(self.params, *args)
+        if self._samples(rows, counts):
+            out = self._sampler(logits, positions, *self._sampling_args())
+        else:
+            out = self._greedy(logits)
+        del logits  # its buffer goes back to XLA's allocator once the picker has read it
         compiled = self._traces[kind] - traces
+        self.stats.sampler_compiles += self._traces["sampler"] - picker_traces
         self._accept(caches, verify=bool(compiled))
         # Every slot these touch is idle in the call: not planned into it (free, ending, or
         # admitted after it was planned), or past the bound it was given.
@@ -1005,6 +1042,14 @@ class Engine:
         else:
             self.stats.decode_compiles += compiled
         return sampled, status, seconds
+
+    def _samples(self, rows: list[_Seq], counts: np.ndarray | None) -> bool:
+        """Whether a row whose token the call picks (a decoding row, or one with a prefill
+        piece) samples rather than takes the argmax."""
+        hot = [s.slot for s in rows]
+        if counts is not None:
+            hot.extend(np.flatnonzero(counts).tolist())
+        return bool(hot) and bool((self._temperature[hot] >= GREEDY_BELOW).any())
 
     def _commit_ahead(self, rows: list[_Seq], counts: np.ndarray | None) -> None:
         """Commits, while the call runs, the granule each row's next decode step writes in:

@@ -1,0 +1,95 @@
+"""The Engine's tokens are picked from a call's logits by a second compiled function chosen on
+the host: argmax where every row of the call is greedy, the sampler where one samples. The
+compiled steps hold no conditional: outside a CUDA graph XLA runs a `lax.cond` by copying its
+predicate to the host and blocking the dispatching thread until the device reaches it (the
+whole forward pass), which would leave nothing for the work meant to run beside the call."""
+
+import re
+
+import numpy as np
+
+from jax_kv import Sampling
+from jax_kv.decode import Generator
+from jax_kv.engine import Engine
+from jax_kv.memory import EagerArena
+
+CONDITIONAL = re.compile(r"stablehlo\.(case|if)\b|\bconditional\(")
+
+
+def small_engine(model, **kw):
+    kw.setdefault("max_slots", 4)
+    kw.setdefault("max_len", 64)
+    kw.setdefault("prefill_chunk_tokens", 16)
+    return Engine(model, arena=EagerArena(), **kw)
+
+
+def test_the_compiled_steps_and_pickers_hold_no_conditional(model):
+    eng = small_engine(model)
+    try:
+        inputs, caches = eng._inputs, eng._caches()
+        lowered = {
+            "decode": eng._decode.lower(
+                eng.params, inputs["tokens"], caches, inputs["lengths"], inputs["bound"]
+            ),
+            "prefill": eng._prefill.lower(
+                eng.params, inputs["prefill_tokens_16"], inputs["cu_seqlens"], caches,
+                inputs["lengths"], eng.cache.committed, inputs["tokens"], inputs["bound"],
+            ),  # fmt: skip
+        }
+        logits = np.zeros((eng.max_slots, model.config.vocab_size), np.float32)
+        positions = inputs["lengths"]
+        lowered["argmax"] = eng._greedy.lower(logits)
+        lowered["sampler"] = eng._sampler.lower(logits, positions, *eng._sampling_args())
+        for name, low in lowered.items():
+            text = low.as_text()
+            assert "stablehlo" in text or "HloModule" in text  # the pattern reads this text
+            assert not CONDITIONAL.search(text), f"{name}: holds a conditional"
+    finally:
+        eng.close()
+
+
+def test_a_call_samples_only_where_one_of_its_rows_samples(model, rng):
+    vocab = model.config.vocab_size
+    p, q, r = (rng.integers(3, vocab, n).tolist() for n in (9, 14, 5))
+    hot = Sampling(temperature=1.3, top_k=20, top_p=0.9, seed=11)
+    solo = small_engine(model)
+    try:
+        alone = solo.submit(p, 12, hot, stop_token_ids=[])
+        solo.run_until_idle()
+    finally:
+        solo.close()
+
+    eng = small_engine(model)
+    try:
+        eng.warm_up()
+        assert eng.stats.sampler_compiles == 2  # argmax and the sampler, both in warm_up
+        picked: list[str] = []
+
+        def counting(name, fn):
+            def run(*a):
+                picked.append(name)
+                return fn(*a)
+
+            return run
+
+        eng._greedy = counting("argmax", eng._greedy)
+        eng._sampler = counting("sampler", eng._sampler)
+        greedy_first = eng.submit(q, 6, stop_token_ids=[])
+        eng.run_until_idle()
+        assert set(picked) == {"argmax"}  # no row samples: no sort, no draw
+        picked.clear()
+        beside = eng.submit(q, 20, stop_token_ids=[])
+        eng.step()
+        sampled = eng.submit(p, 12, hot, stop_token_ids=[])
+        greedy_last = eng.submit(r, 3, stop_token_ids=[])
+        eng.run_until_idle()
+        # The sampler runs exactly in the calls where the sampled request takes part.
+        assert picked.count("sampler") >= 12 and "argmax" in picked
+        assert eng.stats.sampler_compiles == 2  # none after warm_up
+    finally:
+        eng.close()
+    assert sampled.result().tokens == alone.result().tokens
+    gen = Generator(model, arena=EagerArena(), max_len=64)
+    for req, prompt, n in ((greedy_first, q, 6), (beside, q, 20), (greedy_last, r, 3)):
+        want = gen.generate([prompt], n, stop_tokens=()).tokens[0]
+        assert req.result().tokens == list(want), "a greedy row beside a sampled one"
