@@ -287,7 +287,10 @@ def packed_positions(cu_seqlens: jax.Array, lengths: jax.Array, num_tokens: int)
     get the last row's next positions (their attention output is zeros and nothing is
     written for them; their position only has to be a valid RoPE angle)."""
     j = jnp.arange(num_tokens, dtype=jnp.int32)
-    row = jnp.searchsorted(cu_seqlens[1:-1], j, side="right").astype(jnp.int32)  # [N], in [0, B)
+    # Unrolled: the default method is a while loop, which XLA runs outside the step's CUDA
+    # graph (one host launch per iteration, and the graph cut in two around it).
+    row = jnp.searchsorted(cu_seqlens[1:-1], j, side="right", method="scan_unrolled")
+    row = row.astype(jnp.int32)  # [N], in [0, B)
     return lengths[row] + j - cu_seqlens[row]
 
 

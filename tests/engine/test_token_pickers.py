@@ -2,7 +2,9 @@
 the host: argmax where every row of the call is greedy, the sampler where one samples. The
 compiled steps hold no conditional: outside a CUDA graph XLA runs a `lax.cond` by copying its
 predicate to the host and blocking the dispatching thread until the device reaches it (the
-whole forward pass), which would leave nothing for the work meant to run beside the call."""
+whole forward pass), which would leave nothing for the work meant to run beside the call. The
+steps hold no loop either: a while loop runs outside the graph too (a host launch per
+iteration, the graph cut around it)."""
 
 import re
 
@@ -14,6 +16,7 @@ from jax_kv.engine import Engine
 from jax_kv.memory import EagerArena
 
 CONDITIONAL = re.compile(r"stablehlo\.(case|if)\b|\bconditional\(")
+LOOP = re.compile(r"stablehlo\.while\b")
 
 
 def small_engine(model, **kw):
@@ -32,9 +35,15 @@ def test_the_compiled_steps_and_pickers_hold_no_conditional(model):
                 eng.params, inputs["tokens"], caches, inputs["lengths"], inputs["bound"]
             ),
             "prefill": eng._prefill.lower(
-                eng.params, inputs["prefill_tokens_16"], inputs["cu_seqlens"], caches,
-                inputs["lengths"], eng.cache.committed, inputs["tokens"], inputs["bound"],
-            ),  # fmt: skip
+                eng.params,
+                inputs["prefill_tokens_16"],
+                inputs["cu_seqlens"],
+                caches,
+                inputs["lengths"],
+                eng.cache.committed,
+                inputs["tokens"],
+                inputs["bound"],
+            ),
         }
         logits = np.zeros((eng.max_slots, model.config.vocab_size), np.float32)
         positions = inputs["lengths"]
@@ -44,6 +53,8 @@ def test_the_compiled_steps_and_pickers_hold_no_conditional(model):
             text = low.as_text()
             assert "stablehlo" in text or "HloModule" in text  # the pattern reads this text
             assert not CONDITIONAL.search(text), f"{name}: holds a conditional"
+            if name in ("decode", "prefill"):
+                assert not LOOP.search(text), f"{name}: holds a while loop"
     finally:
         eng.close()
 
