@@ -1013,14 +1013,14 @@ class Engine:
         traces, picker_traces = self._traces[kind], self._traces["sampler"]
         t0 = time.perf_counter()
         logits, positions, caches, status = step(self.params, *args)
+        compiled = self._traces[kind] - traces
+        self._accept(caches, verify=bool(compiled))  # the cache's arrays, whatever follows
         if self._samples(rows, counts):
             out = self._sampler(logits, positions, *self._sampling_args())
         else:
             out = self._greedy(logits)
         del logits  # its buffer goes back to XLA's allocator once the picker has read it
-        compiled = self._traces[kind] - traces
         self.stats.sampler_compiles += self._traces["sampler"] - picker_traces
-        self._accept(caches, verify=bool(compiled))
         # Every slot these touch is idle in the call: not planned into it (free, ending, or
         # admitted after it was planned), or past the bound it was given.
         self._in_flight = (counts, rows)
