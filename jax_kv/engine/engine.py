@@ -1044,11 +1044,16 @@ class Engine:
         return sampled, status, seconds
 
     def _samples(self, rows: list[_Seq], counts: np.ndarray | None) -> bool:
-        """Whether a row whose token the call picks (a decoding row, or one with a prefill
-        piece) samples rather than takes the argmax."""
+        """Whether a row whose token the call uses samples rather than takes the argmax:
+        a decoding row, or one whose piece ends its prompt's first prefill (a re-prefill's
+        token and a piece short of the prompt's end are dropped; _run_prefill)."""
         hot = [s.slot for s in rows]
         if counts is not None:
-            hot.extend(np.flatnonzero(counts).tolist())
+            for b in np.flatnonzero(counts):
+                seq = self._slots[b]
+                if seq is not None and not seq.generated:
+                    if seq.cached + int(counts[b]) == seq.prefill_target:
+                        hot.append(int(b))
         return bool(hot) and bool((self._temperature[hot] >= GREEDY_BELOW).any())
 
     def _commit_ahead(self, rows: list[_Seq], counts: np.ndarray | None) -> None:

@@ -318,13 +318,16 @@ def test_after_warm_up_no_request_waits_for_a_compile(model, rng, max_len, chunk
     with Engine(model, max_slots=slots, max_len=max_len, prefill_chunk_tokens=chunk,
                 arena=EagerArena()) as eng:  # fmt: skip
         eng.warm_up()
-        before = (eng.stats.prefill_compiles, eng.stats.decode_compiles)
-        for n in rng.integers(1, min(max_len, 300), 24):
+        assert eng.stats.sampler_compiles == 2  # the argmax and the sampler picker
+        before = (eng.stats.prefill_compiles, eng.stats.decode_compiles, 2)
+        for i, n in enumerate(rng.integers(1, min(max_len, 300), 24)):
             prompt = [int(t) for t in rng.integers(3, model.config.vocab_size, n)]
-            eng.submit(prompt, int(min(16, max_len - n)), stop_token_ids=[])
+            sampling = Sampling(temperature=0.8, seed=i) if i % 3 == 0 else None
+            eng.submit(prompt, int(min(16, max_len - n)), sampling, stop_token_ids=[])
         eng.run_until_idle()
-        assert (eng.stats.prefill_compiles, eng.stats.decode_compiles) == before, (
-            eng.stats.prefill_buckets
+        s = eng.stats
+        assert (s.prefill_compiles, s.decode_compiles, s.sampler_compiles) == before, (
+            s.prefill_buckets
         )
 
 

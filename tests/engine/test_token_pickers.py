@@ -104,3 +104,22 @@ def test_a_call_samples_only_where_one_of_its_rows_samples(model, rng):
     for req, prompt, n in ((greedy_first, q, 6), (beside, q, 20), (greedy_last, r, 3)):
         want = gen.generate([prompt], n, stop_tokens=()).tokens[0]
         assert req.result().tokens == list(want), "a greedy row beside a sampled one"
+
+
+def test_pieces_short_of_the_prompts_end_take_the_argmax(model, rng):
+    """A sampled request's pieces before its prompt's last one produce no token: their calls
+    skip the sampler's sort; its last piece and its decode steps sample."""
+    eng = small_engine(model)  # chunk 16
+    try:
+        eng.warm_up()
+        picked: list[str] = []
+        greedy, sampler = eng._greedy, eng._sampler
+        eng._greedy = lambda *a: (picked.append("argmax"), greedy(*a))[1]
+        eng._sampler = lambda *a: (picked.append("sampler"), sampler(*a))[1]
+        prompt = rng.integers(3, model.config.vocab_size, 40).tolist()  # pieces 16, 16, 8
+        req = eng.submit(prompt, 3, Sampling(temperature=1.0, seed=3), stop_token_ids=[])
+        eng.run_until_idle()
+        assert picked == ["argmax", "argmax", "sampler", "sampler", "sampler"]
+        assert len(req.result().tokens) == 3
+    finally:
+        eng.close()
