@@ -73,10 +73,12 @@ def put_replicated(values: Any, mesh: Mesh | None) -> jax.Array:
 
 
 def cache_spec(layout: Layout | str | int) -> P:
-    """The PartitionSpec of a cache array: its Hkv axis on "tp"."""
+    """The PartitionSpec of a cache array: its Hkv axis on "tp". No trailing None: a
+    compiled step's outputs carry their spec without one, and a cache array fed back with
+    another spelling of the same sharding is another jit signature (one more compile)."""
     if Layout.parse(layout) == Layout.SEQ_MAJOR:
-        return P(None, None, TP_AXIS, None)  # [B, S, Hkv, D]
-    return P(None, TP_AXIS, None, None)  # [B, Hkv, S, D]
+        return P(None, None, TP_AXIS)  # [B, S, Hkv, D]
+    return P(None, TP_AXIS)  # [B, Hkv, S, D]
 
 
 def cache_sharding(mesh: Mesh | None, layout: Layout | str | int) -> NamedSharding | None:
