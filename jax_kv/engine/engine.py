@@ -173,6 +173,13 @@ def _host(x: jax.Array) -> np.ndarray:
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
+def _programs(fn: Any, traces: int) -> int:
+    """How many programs jitted `fn` has compiled (jit's own cache: a new argument sharding
+    or layout compiles again without a retrace), else `traces` (a stand-in for the step)."""
+    size = getattr(fn, "_cache_size", None)
+    return size() if size is not None else traces
+
+
 def _row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
     """One key per row from its request's seed and the position of the token it samples:
     a request's tokens do not depend on which slot or step it ran in."""
@@ -1010,17 +1017,17 @@ class Engine:
         rows' next granules, then the next prefill's (_plan_ahead); then the ended requests'
         slots are released."""
         step = self._prefill if kind == "prefill" else self._decode
-        traces, picker_traces = self._traces[kind], self._traces["sampler"]
+        programs, pickers = _programs(step, self._traces[kind]), self._picker_programs()
         t0 = time.perf_counter()
         logits, positions, caches, status = step(self.params, *args)
-        compiled = self._traces[kind] - traces
+        compiled = _programs(step, self._traces[kind]) - programs
         self._accept(caches, verify=bool(compiled))  # the cache's arrays, whatever follows
         if self._samples(rows, counts):
             out = self._sampler(logits, positions, *self._sampling_args())
         else:
             out = self._greedy(logits)
         del logits  # its buffer goes back to XLA's allocator once the picker has read it
-        self.stats.sampler_compiles += self._traces["sampler"] - picker_traces
+        self.stats.sampler_compiles += self._picker_programs() - pickers
         # Every slot these touch is idle in the call: not planned into it (free, ending, or
         # admitted after it was planned), or past the bound it was given.
         self._in_flight = (counts, rows)
@@ -1042,6 +1049,12 @@ class Engine:
         else:
             self.stats.decode_compiles += compiled
         return sampled, status, seconds
+
+    def _picker_programs(self) -> int:
+        sizes = [getattr(f, "_cache_size", None) for f in (self._greedy, self._sampler)]
+        if all(size is not None for size in sizes):
+            return sum(size() for size in sizes)
+        return self._traces["sampler"]  # a stand-in replaced one
 
     def _samples(self, rows: list[_Seq], counts: np.ndarray | None) -> bool:
         """Whether a row whose token the call uses samples rather than takes the argmax:

@@ -166,9 +166,9 @@ def test_engine_tokens_at_tp_2_and_4_equal_tp_1_and_the_generator(model, rng):
 @pytest.mark.parametrize("arena", ["eager", "mesh-vmm"])
 def test_a_sharded_engine_compiles_nothing_after_warm_up(model, rng, arena):
     """Every compiled step and picker is compiled once per signature in warm_up, and a burst
-    of requests of every length adds none. Counted with jit's own cache (a retrace counter
-    misses a recompile for a new argument sharding): the caches the eager path feeds back
-    carry the step's output sharding, which must be spelled as the input's (cache_spec)."""
+    of requests of every length adds none, by jit's own cache and by EngineStats (which counts
+    it: a retrace counter misses a recompile for a new argument sharding). The caches the eager
+    path feeds back carry the step's output sharding, spelled as the input's (cache_spec)."""
     mesh = tp_mesh(2)
     made = EagerArena() if arena == "eager" else mesh_arena(2)
     with Engine(model, max_slots=3, max_len=256, prefill_chunk_tokens=32, mesh=mesh,
@@ -177,12 +177,15 @@ def test_a_sharded_engine_compiles_nothing_after_warm_up(model, rng, arena):
         steps = (eng._prefill, eng._decode, eng._greedy, eng._sampler)
         before = [f._cache_size() for f in steps]
         assert before == [len(eng.stats.prefill_buckets), 1, 1, 1]
+        counted = (eng.stats.prefill_compiles, eng.stats.decode_compiles)
+        assert counted == tuple(before[:2]) and eng.stats.sampler_compiles == 2
         for i, n in enumerate(rng.integers(1, 200, 12)):
             prompt = [int(t) for t in rng.integers(3, 500, n)]
             sampling = Sampling(temperature=0.9, seed=i) if i % 2 else None
             eng.submit(prompt, 8, sampling, stop_token_ids=[])
         eng.run_until_idle()
         assert [f._cache_size() for f in steps] == before
+        assert (eng.stats.prefill_compiles, eng.stats.decode_compiles) == counted
 
 
 def test_refusals_name_the_argument(model):
