@@ -404,9 +404,13 @@ class _Reply:
         try:
             if self.chat:
                 yield self._chunk("", None, role=True)
+            # A model without a tokenizer (random weights, prompts as token ids) has no text:
+            # its tokens still reach the client as events, empty-text ones, so a client sees
+            # progress and a benchmark its token times.
+            textless = self.state.model.tokenizer is None
             async for deltas, completion in self._deltas():
                 text = "".join(d.text for d in deltas)
-                if text:
+                if text or (textless and deltas):
                     yield self._chunk(text, None)
                 if completion is None:
                     continue

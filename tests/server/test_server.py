@@ -295,3 +295,27 @@ def test_a_server_stopped_while_it_warms_up_starts_no_driver(tiny_model):
     finally:
         compiling.set()
         engine.close()
+
+
+def test_a_model_without_a_tokenizer_streams_an_event_per_token_batch():
+    """Random weights have no tokenizer (prompts as token ids, no text): the stream still
+    carries the tokens as empty-text events before the finish chunk, as many as the tokens at
+    most, so a client sees progress and a benchmark times them."""
+    import jax_kv.models as jm
+    from jax_kv.server import create_app
+
+    model = jm.random_model("tiny-llama", seed=7)
+    assert model.tokenizer is None
+    engine = make_engine(model, max_slots=1)
+    with running(create_app(engine, model_name=MODEL_NAME)) as base:
+        body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 12, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        r = post(base, "/v1/completions", body)
+        events = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]  # fmt: skip
+        choices = [c for e in events for c in e["choices"]]
+        tokens = [c for c in choices if not c["finish_reason"]]
+        assert tokens and all(c["text"] == "" for c in tokens)
+        assert len(tokens) <= 12 and choices[-1]["finish_reason"] == "length"
+        assert events[-1]["usage"]["completion_tokens"] == 12
+    engine.close()
