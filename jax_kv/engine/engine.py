@@ -1011,8 +1011,8 @@ class Engine:
     ) -> tuple[np.ndarray, np.ndarray, float]:
         """Runs the `kind` step on (params, *args), then the picker of its tokens (argmax
         where every row of the call is greedy) -> (tokens [B], status [B] on the host,
-        seconds until they were there); counts their compiles (a compile is a trace) and
-        takes the caches. While it runs (the call's prefill `counts` per slot
+        seconds until they were there); counts their compiles (jit's cache of each, _programs)
+        and takes the caches. While it runs (the call's prefill `counts` per slot
         and decoding `rows` in flight), the next call's memory is committed: the decoding
         rows' next granules, then the next prefill's (_plan_ahead); then the ended requests'
         slots are released."""
