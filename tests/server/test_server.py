@@ -154,22 +154,30 @@ def test_a_closed_stream_frees_its_slot(server):
     base, state = server
     eng = state.engine
     before = eng.stats.finished.get("cancelled", 0)
-    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 200, "stream": True}
-    u = urllib.parse.urlsplit(base)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
-    conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
-                 headers={"Content-Type": "application/json"})  # fmt: skip
-    resp = conn.getresponse()
-    first = resp.readline()
-    assert first.startswith(b"data: ")
-    resp.readline()
-    resp.readline()
-    assert eng.cache.held_bytes > 0
-    conn.sock.shutdown(2)  # the client goes away mid-stream
-    conn.close()
-    deadline = time.monotonic() + 5
-    while eng.cache.held_bytes and time.monotonic() < deadline:
-        time.sleep(0.01)
+    # The tiny model makes a token in about a millisecond: unpaced, a loaded machine's client
+    # read its first lines after all 200 tokens were made (the request ended by length, CI,
+    # 2026-12-06). 20 ms a step gives the close 4 s before the request could end by itself.
+    step = eng._step  # what the background driver calls
+    eng._step = lambda **kw: (time.sleep(0.02), step(**kw))[1]
+    try:
+        body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 200, "stream": True}
+        u = urllib.parse.urlsplit(base)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json"})  # fmt: skip
+        resp = conn.getresponse()
+        first = resp.readline()
+        assert first.startswith(b"data: ")
+        resp.readline()
+        resp.readline()
+        assert eng.cache.held_bytes > 0
+        conn.sock.shutdown(2)  # the client goes away mid-stream
+        conn.close()
+        deadline = time.monotonic() + 5
+        while eng.cache.held_bytes and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        eng._step = step
     assert eng.cache.held_bytes == 0 and eng.num_running == 0
     assert eng.stats.finished.get("cancelled", 0) == before + 1
 
