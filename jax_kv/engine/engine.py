@@ -302,7 +302,7 @@ class Engine:
         # Tokens and endings not yet handed to their requests (_deliver), in order.
         self._outbox: list[tuple[Request, Delta | Completion]] = []
         self._admissions = 0
-        self._traces = {"prefill": 0, "decode": 0, "sampler": 0}
+        self._traces = {"prefill": 0, "decode": 0}
         # The caches are donated: XLA writes the arena's memory in place (SlotCache.writes_back:
         # the host driver's stand-in, which copies instead).
         donate = not self.cache.writes_back
@@ -404,7 +404,6 @@ class Engine:
         replicated = self._replicated
 
         def run(logits):  # float32 [B, V] -> int32 [B]
-            self._traces["sampler"] += 1
             return replicated(argmax_rows(logits))
 
         return run
@@ -414,7 +413,6 @@ class Engine:
 
         def run(logits, positions, temp, top_k, top_p, seeds):
             # positions int32 [B]: the position of the token each row samples (its key's).
-            self._traces["sampler"] += 1
             keys = _row_keys(seeds, positions)
             return replicated(sample_rows(logits, keys, temp, top_k, top_p))
 
@@ -1051,10 +1049,8 @@ class Engine:
         return sampled, status, seconds
 
     def _picker_programs(self) -> int:
-        sizes = [getattr(f, "_cache_size", None) for f in (self._greedy, self._sampler)]
-        if all(size is not None for size in sizes):
-            return sum(size() for size in sizes)
-        return self._traces["sampler"]  # a stand-in replaced one
+        # A stand-in picker (bench/engine_host.py) compiles nothing.
+        return _programs(self._greedy, 0) + _programs(self._sampler, 0)
 
     def _samples(self, rows: list[_Seq], counts: np.ndarray | None) -> bool:
         """Whether a row whose token the call uses samples rather than takes the argmax:
