@@ -12,6 +12,15 @@ the same workload, their ratio (target >= 0.9).
     python bench/serve_http.py --clients 200                      # default model, CPU
     python bench/serve_http.py --random-weights llama-3-8b --dtype bfloat16 --max-slots 64 \\
         --max-len 4096 --clients 200 --out bench/results          # the device
+    python bench/serve_http.py --max-slots 64 --max-len 4096 --stub-device-ms 10   # on a CPU
+
+`--stub-device-ms MS` replaces the device on a CPU machine: the Engine (here and in the server
+process) runs a tiny random model whose compiled steps are stubbed, and each call's tokens
+become readable MS milliseconds after the call (plus `--stub-token-us` per prefill token),
+the host thread sleeping meanwhile with the GIL released, as it waits for a GPU. The server's
+host work per token (the event loop's wake-ups, SSE chunks, sockets) then competes with the
+Engine's for the GIL as it does beside a GPU, which a CPU-bound model (each step hundreds of
+milliseconds) hides.
 """
 
 from __future__ import annotations
@@ -88,6 +97,112 @@ async def run_clients(port: int, bodies: list[dict], textless: bool) -> tuple[li
     return list(results), time.perf_counter() - t0
 
 
+class _Delayed:
+    """A stubbed step's tokens: readable `ready_at` (perf_counter seconds), like a GPU
+    output: reading it earlier sleeps (the GIL released) until then."""
+
+    is_fully_addressable = True
+
+    def __init__(self, tokens: np.ndarray, ready_at: float) -> None:
+        self.tokens, self.ready_at = tokens, ready_at
+
+    def is_ready(self) -> bool:
+        return time.perf_counter() >= self.ready_at
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        wait = self.ready_at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return self.tokens if dtype is None else self.tokens.astype(dtype)
+
+
+def stub_device(
+    engine, step_ms: float, token_us: float, dispatch_us: float = 0.0, seed: int = 0
+) -> None:
+    """Stubs `engine`'s compiled steps and pickers (bench/engine_host.py's stand-in: random
+    tokens, the caches returned as they came) with a simulated device: a call's tokens are
+    ready step_ms (+ token_us per packed prefill token) after it is dispatched, and calls run
+    one after another. The dispatch itself holds the GIL for dispatch_us (JAX's dispatch of a
+    real step, its ~300 arguments)."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    B = engine.max_slots
+    vocab = engine.model.config.vocab_size
+    status = jnp.zeros((B,), jnp.int32)
+    free_at = [0.0]  # when the simulated device finishes the calls dispatched so far
+
+    def step_stub(caches_at: int, prefill: bool):
+        def run(params, *step_args):  # -> (logits, positions [B], caches, status [B])
+            spin = time.perf_counter() + dispatch_us * 1e-6
+            while time.perf_counter() < spin:
+                pass
+            busy = step_ms * 1e-3 + (token_us * 1e-6 * step_args[0].shape[0] if prefill else 0)
+            free_at[0] = max(free_at[0], time.perf_counter()) + busy
+            tokens = rng.integers(3, vocab, B).astype(np.int32)
+            return _Delayed(tokens, free_at[0]), status, step_args[caches_at - 1], status
+
+        return run
+
+    engine._prefill, engine._decode = step_stub(3, True), step_stub(2, False)
+    engine._greedy = lambda logits: logits
+    engine._sampler = lambda logits, *a: logits
+    engine._accept = lambda caches, verify: None
+
+
+def stub_engine_class(step_ms: float, token_us: float, dispatch_us: float):
+    """An Engine class whose instances run on stub_device (the server process's)."""
+    from jax_kv.engine import Engine
+
+    class StubEngine(Engine):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            stub_device(self, step_ms, token_us, dispatch_us)
+
+    return StubEngine
+
+
+def serve_stub(argv: list[str]) -> None:
+    """The server process of --stub-device-ms: `python -m jax_kv serve`'s run() with its
+    Engine on stub_device."""
+    step_ms, token_us, dispatch_us, port, slots, max_len, chunk = argv
+    import jax_kv.models as jm
+    import jax_kv.server.main as server_main
+
+    server_main.Engine = stub_engine_class(float(step_ms), float(token_us), float(dispatch_us))
+    model = jm.random_model("tiny-llama", seed=0, dtype="float32")
+    sys.exit(server_main.run(model, model_name="bench", port=int(port), max_slots=int(slots),
+                             max_len=int(max_len), prefill_chunk_tokens=int(chunk),
+                             log_level="warning"))  # fmt: skip
+
+
+ENGINE_COUNTERS = ("decode_compiles", "prefill_compiles", "picker_compiles", "engine_steps",
+                   "engine_step_seconds", "engine_host_seconds", "generation_tokens")  # fmt: skip
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The server engine's counters from GET /metrics (ENGINE_COUNTERS, without jax_kv_)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        key = name.removeprefix("jax_kv_").removesuffix("_total")
+        if key in ENGINE_COUNTERS:
+            values[key] = float(value)
+    return values
+
+
+def engine_summary(c: dict[str, float]) -> dict[str, float]:
+    """Compiles, steps and time per step of a run from its counters' differences."""
+    steps = max(c["engine_steps"], 1)
+    return dict(
+        compiles=c["decode_compiles"] + c["prefill_compiles"] + c["picker_compiles"],
+        steps=c["engine_steps"], step_ms=c["engine_step_seconds"] / steps * 1e3,
+        host_ms=c["engine_host_seconds"] / steps * 1e3, tokens=c["generation_tokens"],
+    )  # fmt: skip
+
+
 def pct(x, q) -> float:
     return float(np.percentile(x, q) * 1e3) if len(x) else math.nan
 
@@ -105,13 +220,35 @@ def main() -> None:
     ap.add_argument("--output-median", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--stub-device-ms",
+        type=float,
+        default=None,
+        help="a simulated device on a CPU: each call's tokens ready after MS ms",
+    )
+    ap.add_argument(
+        "--stub-token-us",
+        type=float,
+        default=20.0,
+        help="with --stub-device-ms: a prefill call's extra time per token",
+    )
+    ap.add_argument(
+        "--stub-dispatch-us",
+        type=float,
+        default=1000.0,
+        help="with --stub-device-ms: host time (GIL held) to dispatch a call",
+    )
     args = ap.parse_args()
+    stub = args.stub_device_ms is not None
 
     import jax_kv.models as jm
     from jax_kv.engine import Engine
 
     dtype = args.dtype or "float32"
-    if args.random_weights:
+    if stub:
+        args.random_weights, dtype = "tiny-llama", "float32"
+        model = jm.random_model("tiny-llama", seed=args.seed, dtype=dtype)
+    elif args.random_weights:
         model = jm.random_model(args.random_weights, seed=args.seed, dtype=dtype)
     else:
         model = jm.load(args.model, dtype=dtype) if args.model else jm.default(dtype=dtype)
@@ -132,11 +269,24 @@ def main() -> None:
     # The Engine alone, same requests, all at once (after its warm-up).
     eng = Engine(model, max_slots=args.max_slots, max_len=args.max_len,
                  prefill_chunk_tokens=args.chunk, max_queue=n + 1)  # fmt: skip
+    if stub:
+        stub_device(eng, args.stub_device_ms, args.stub_token_us, args.stub_dispatch_us)
     eng.warm_up()
+
+    def counters() -> dict[str, float]:
+        st = eng.stats
+        return dict(decode_compiles=st.decode_compiles, prefill_compiles=st.prefill_compiles,
+                    picker_compiles=st.sampler_compiles, engine_steps=st.steps,
+                    engine_step_seconds=st.step_seconds, engine_host_seconds=st.host_seconds,
+                    generation_tokens=st.decode_tokens)  # fmt: skip
+
+    before = counters()
     t0 = time.perf_counter()
     reqs = [eng.submit(p, k) for p, k in zip(prompts, news, strict=True)]
     eng.run_until_idle()
     engine_s = time.perf_counter() - t0
+    after = counters()
+    alone = engine_summary({k: after[k] - before[k] for k in ENGINE_COUNTERS})
     want = [r.result() for r in reqs]
     eng.close()
     engine_tokens = sum(c.completion_tokens for c in want)
@@ -146,7 +296,11 @@ def main() -> None:
            "--served-model-name", name, "--max-slots", str(args.max_slots),
            "--max-len", str(args.max_len), "--prefill-chunk-tokens", str(args.chunk),
            "--dtype", dtype]  # fmt: skip
-    if args.random_weights:
+    if stub:
+        cmd = [sys.executable, __file__, "--serve-stub", str(args.stub_device_ms),
+               str(args.stub_token_us), str(args.stub_dispatch_us), str(port), str(args.max_slots), str(args.max_len),
+               str(args.chunk)]  # fmt: skip
+    elif args.random_weights:
         cmd += ["--random-weights", args.random_weights]
     elif args.model:
         cmd += ["--model", args.model]
@@ -164,7 +318,10 @@ def main() -> None:
             if server.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"server failed: {server.stderr.read().decode()[-2000:]}")
             time.sleep(0.2)
+        before = scrape(port)
         results, http_s = asyncio.run(run_clients(port, bodies, model.tokenizer is None))
+        after = scrape(port)
+        served = engine_summary({k: after[k] - before[k] for k in ENGINE_COUNTERS})
     finally:
         server.send_signal(signal.SIGTERM)
         code = server.wait(120)
@@ -188,6 +345,7 @@ def main() -> None:
         itl_p50_ms=pct(itl, 50), itl_p99_ms=pct(itl, 99),
     )  # fmt: skip
     m["http_over_engine"] = m["http_tok_s"] / m["engine_tok_s"]
+    m["engine_alone"], m["engine_in_server"] = alone, served
     print(
         f"\n{args.random_weights or args.model or 'SmolLM2-135M-Instruct'} ({dtype}), "
         f"{args.max_slots} slots, {n} concurrent streaming clients, prompt median "
@@ -201,6 +359,12 @@ def main() -> None:
         f"{m['ttft_p99_ms']:.0f} | {m['itl_p50_ms']:.1f}/{m['itl_p99_ms']:.1f} | "
         f"{m['http_tok_s']:.0f} | {m['engine_tok_s']:.0f} | {m['http_over_engine']:.2f} |"
     )
+    print("\nThe engine's steps over the run (counters; the server's from /metrics)")
+    print("| engine | compiles | steps | ms/step | host ms/step | tokens |")
+    print("|---|---|---|---|---|---|")
+    for name, e in (("alone", alone), ("in the server", served)):
+        print(f"| {name} | {e['compiles']:.0f} | {e['steps']:.0f} | {e['step_ms']:.2f} | "
+              f"{e['host_ms']:.2f} | {e['tokens']:.0f} |")  # fmt: skip
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"serve_http_{args.random_weights or 'default'}.json"
@@ -210,4 +374,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--serve-stub"]:
+        serve_stub(sys.argv[2:])
+    else:
+        main()

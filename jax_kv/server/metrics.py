@@ -58,6 +58,19 @@ class _EngineCollector:
                                   value=s.preemptions)  # fmt: skip
         yield CounterMetricFamily("jax_kv_decode_compiles", "Compiles of the decode step",
                                   value=s.decode_compiles)  # fmt: skip
+        yield CounterMetricFamily("jax_kv_prefill_compiles",
+                                  "Compiles of the prefill step (one per bucket)",
+                                  value=s.prefill_compiles)  # fmt: skip
+        yield CounterMetricFamily("jax_kv_picker_compiles",
+                                  "Compiles of the token pickers (argmax, sampler)",
+                                  value=s.sampler_compiles)  # fmt: skip
+        yield CounterMetricFamily("jax_kv_engine_steps", "Engine scheduling iterations",
+                                  value=s.steps)  # fmt: skip
+        yield CounterMetricFamily("jax_kv_engine_step_seconds", "Time in engine steps",
+                                  value=s.step_seconds)  # fmt: skip
+        yield CounterMetricFamily("jax_kv_engine_host_seconds",
+                                  "Step time the device did not cover (planning, delivery)",
+                                  value=s.host_seconds)  # fmt: skip
         if e.prefix is not None:
             p = e.prefix.stats
             yield CounterMetricFamily("jax_kv_prefix_hit_tokens",

@@ -150,6 +150,26 @@ def test_metrics_and_health(server):
     assert get(f"{base}/health").json() == {"status": "ok"}
 
 
+def test_metrics_carry_the_engines_compiles_and_step_times(server):
+    base, state = server
+    post(base, "/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 3})
+    values = {}
+    for line in get(f"{base}/metrics").text.splitlines():
+        name, _, value = line.partition(" ")
+        values[name] = float(value) if value and not name.startswith("#") else None
+    s = state.engine.stats
+    # Read after the request: the driver steps again only when work arrives.
+    assert values["jax_kv_decode_compiles_total"] == s.decode_compiles == 1
+    assert values["jax_kv_picker_compiles_total"] == s.sampler_compiles == 2
+    assert values["jax_kv_prefill_compiles_total"] == s.prefill_compiles >= 1
+    assert values["jax_kv_engine_steps_total"] == s.steps > 0
+    step_s, host_s = (
+        values["jax_kv_engine_step_seconds_total"],
+        values["jax_kv_engine_host_seconds_total"],
+    )
+    assert 0 < host_s <= step_s
+
+
 def test_a_closed_stream_frees_its_slot(server):
     base, state = server
     eng = state.engine
