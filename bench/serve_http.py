@@ -297,9 +297,9 @@ def main() -> None:
            "--max-len", str(args.max_len), "--prefill-chunk-tokens", str(args.chunk),
            "--dtype", dtype]  # fmt: skip
     if stub:
-        cmd = [sys.executable, __file__, "--serve-stub", str(args.stub_device_ms),
-               str(args.stub_token_us), str(args.stub_dispatch_us), str(port), str(args.max_slots), str(args.max_len),
-               str(args.chunk)]  # fmt: skip
+        stub_args = (args.stub_device_ms, args.stub_token_us, args.stub_dispatch_us, port,
+                     args.max_slots, args.max_len, args.chunk)  # fmt: skip
+        cmd = [sys.executable, __file__, "--serve-stub", *map(str, stub_args)]
     elif args.random_weights:
         cmd += ["--random-weights", args.random_weights]
     elif args.model:
