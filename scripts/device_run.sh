@@ -3,7 +3,7 @@
 # $OUT (or ./device-out). Each stage has its own time limit so the whole fits one call.
 #   bash scripts/device_run.sh [stages...]   stages: build ops ops-off gen cache attn generate profile san pytests
 #     prefill-profile failsafe vmm-san soak serving prefill-bench serve serve-prefix serve-http issue20
-#     engine-step branch-prebuild branch (BRANCH_TESTS, BRANCH_CMD)
+#     issue20-gen engine-step branch-prebuild branch (BRANCH_TESTS, BRANCH_CMD)
 # SERVE_ARGS passes options to bench/serve.py (e.g. "--profile 30").
 # GEN_MODELS, GEN_BATCH, GEN_TOKENS, GEN_IMPLS, GEN_TIMEOUT set bench/generate.py's run.
 # ATTN_ARGS passes options to bench/attention.py (e.g. "--decode-kernel auto,simt"), ATTN_TIMEOUT
@@ -24,6 +24,17 @@ branch_build() {
   mkdir -p /tmp/branch && tar xzf branch.tgz -C /tmp/branch
   (cd /tmp/branch && JAX_KV_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps \
     --target /tmp/branch_site . > "$OUT/build_branch.log" 2>&1) || tail -20 "$OUT/build_branch.log"
+}
+# Issue 20's two trees (0cf8012, carried as before.tgz: `git archive 0cf8012 | gzip >
+# before.tgz`, untracked; and this one), each built into its own --target directory once per
+# call; the editable install would shadow either, so it is removed.
+issue20_build() {
+  [ -e /tmp/issue20_built ] && return
+  python3 -m pip uninstall -y -q jax_kv >/dev/null 2>&1
+  mkdir -p /tmp/before /tmp/after && tar xzf before.tgz -C /tmp/before && tar --exclude=./.git --exclude=./build --exclude=./before.tgz --exclude=./.whl -cf - . | tar x -C /tmp/after
+  for t in before after; do (cd /tmp/$t && JAX_KV_CUDA=ON python3 -m pip install -q --no-build-isolation \
+    --no-deps --target /tmp/${t}_site . > "$OUT/build_$t.log" 2>&1) & done; wait
+  touch /tmp/issue20_built
 }
 T0=$(date +%s)
 stage() { echo "=== $1 (t=$(( $(date +%s) - T0 ))s)"; }
@@ -135,16 +146,23 @@ for s in $STAGES; do
       # before.tgz: `git archive 0cf8012 | gzip > before.tgz`, untracked) against this one, each
       # built into its own --target directory; the editable install would shadow either.
       stage "issue 20: bench/attention.py decode + bench/generate.py B=1, before and after"
-      python3 -m pip uninstall -y -q jax_kv >/dev/null 2>&1
-      mkdir -p /tmp/before /tmp/after && tar xzf before.tgz -C /tmp/before && tar --exclude=./.git --exclude=./build --exclude=./before.tgz --exclude=./.whl -cf - . | tar x -C /tmp/after
-      for t in before after; do (cd /tmp/$t && JAX_KV_CUDA=ON python3 -m pip install -q --no-build-isolation \
-        --no-deps --target /tmp/${t}_site . > "$OUT/build_$t.log" 2>&1) & done; wait
+      issue20_build
       for t in before after; do (cd /tmp/$t && PYTHONPATH=/tmp/${t}_site:${PYTHONPATH:-} timeout -k 10 150 \
         python3 bench/attention.py --out "$OUT/$t" --parts decode 2>&1 | tail -25); done | tee "$OUT/issue20_attention.log"
       for t in before after; do (cd /tmp/$t && PYTHONPATH=/tmp/${t}_site:${PYTHONPATH:-} timeout -k 10 150 \
         python3 bench/generate.py --out "$OUT/$t" --models qwen2.5-0.5b --batch 1 --new-tokens 256 \
         --impls jax_kv-seq,jax_kv-seq@8,plain-jax 2>&1 | grep -v -E "^\s*$|WARNING" | tail -12); done \
         | tee "$OUT/issue20_generate.log" ;;
+    issue20-gen)
+      # bench/generate.py B=1 of both trees in alternating processes (after, before, x3): the
+      # one-token step's host time moved between processes of one tree by up to 30% before.
+      stage "issue 20: bench/generate.py B=1, the trees alternating"
+      issue20_build
+      for i in 1 2 3; do for t in after before; do (cd /tmp/$t && PYTHONPATH=/tmp/${t}_site:${PYTHONPATH:-} \
+        timeout -k 10 100 python3 bench/generate.py --out "$OUT/gen_${t}_$i" --models qwen2.5-0.5b --batch 1 \
+        --new-tokens 256 --impls jax_kv-seq,jax_kv-seq@8 2>&1 | grep "B=1 jax_kv" \
+        | sed -E "s/^/$t $i: /; s/'(replays|invalidations|growth_events|growth_keeps|kv_bytes_moved|committed_bytes|compile_s|arena)': [^,}]+[,}]//g"); done; done \
+        | tee "$OUT/issue20_gen.log" ;;
     branch-prebuild)
       # An experiment's branch (carried as branch.tgz: `git archive BRANCH | gzip > branch.tgz`,
       # untracked) builds in the background while the stages after this one run (put it first:
