@@ -52,14 +52,6 @@ class ServerState:
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine)
         self._warming: threading.Thread | None = None
-        self._waker: _Waker | None = None
-
-    def waker(self) -> _Waker:
-        """The running event loop's _Waker (the server's loop; made on its first stream)."""
-        loop = asyncio.get_running_loop()
-        if self._waker is None or self._waker.loop is not loop:
-            self._waker = _Waker(loop)
-        return self._waker
 
     def start(self, warm_up: bool = True) -> threading.Thread:
         """Warms the engine up and starts its driver on a thread; `ready` is set after. A
@@ -133,43 +125,16 @@ def _check_serving(state: ServerState) -> None:
                        code="warming_up", headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
 
 
-class _Waker:
-    """Wakes an event loop's streams from the engine's thread, one loop wake-up per batch:
-    the engine delivers a step's tokens to every running request at once, and a
-    call_soon_threadsafe per request (a write to the loop's self-pipe each, the GIL given up
-    and taken back around it) would be 64 per step at 64 slots, paid by the thread the GPU
-    waits for."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._lock = threading.Lock()
-        self._due: set[asyncio.Event] = set()
-
-    def notify(self, event: asyncio.Event) -> None:
-        """Engine thread: `event` is set on the loop with the others of this batch."""
-        with self._lock:
-            first = not self._due
-            self._due.add(event)
-        if first:
-            self.loop.call_soon_threadsafe(self._wake)
-
-    def _wake(self) -> None:
-        with self._lock:
-            due, self._due = self._due, set()
-        for event in due:
-            event.set()
-
-
 class _Stream:
     """An engine request's deltas, delivered to the event loop (the engine's thread only
-    calls `notify`, which schedules a wake-up: _Waker)."""
+    calls `notify`, which schedules a wake-up)."""
 
-    def __init__(self, request: EngineRequest, waker: _Waker) -> None:
+    def __init__(self, request: EngineRequest) -> None:
         self.request = request
+        self.loop = asyncio.get_running_loop()
         self.event = asyncio.Event()
         self.read = 0
-        event = self.event
-        request.add_listener(lambda: waker.notify(event))
+        request.add_listener(lambda: self.loop.call_soon_threadsafe(self.event.set))
 
     async def next(self) -> tuple[list[Delta], Completion | None]:
         """The deltas not yet read (at least one) and the completion once all are read."""
@@ -368,7 +333,7 @@ class _Reply:
                 "model": self.state.model_name, "choices": choices, **extra}  # fmt: skip
 
     async def _deltas(self) -> AsyncIterator[tuple[list[Delta], Completion | None]]:
-        stream = _Stream(self.request, self.state.waker())
+        stream = _Stream(self.request)
         last = None
         while True:
             deltas, completion = await stream.next()
