@@ -177,7 +177,8 @@ def serve_stub(argv: list[str]) -> None:
 
 
 ENGINE_COUNTERS = ("decode_compiles", "prefill_compiles", "picker_compiles", "engine_steps",
-                   "engine_step_seconds", "engine_host_seconds", "generation_tokens")  # fmt: skip
+                   "engine_step_seconds", "engine_host_seconds", "engine_dispatch_seconds",
+                   "engine_beside_seconds", "engine_wait_seconds", "generation_tokens")  # fmt: skip
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -200,6 +201,8 @@ def engine_summary(c: dict[str, float]) -> dict[str, float]:
         compiles=c["decode_compiles"] + c["prefill_compiles"] + c["picker_compiles"],
         steps=c["engine_steps"], step_ms=c["engine_step_seconds"] / steps * 1e3,
         host_ms=c["engine_host_seconds"] / steps * 1e3, tokens=c["generation_tokens"],
+        **{f"{part}_ms": c[f"engine_{part}_seconds"] / steps * 1e3
+           for part in ("dispatch", "beside", "wait")},
     )  # fmt: skip
 
 
@@ -278,6 +281,8 @@ def main() -> None:
         return dict(decode_compiles=st.decode_compiles, prefill_compiles=st.prefill_compiles,
                     picker_compiles=st.sampler_compiles, engine_steps=st.steps,
                     engine_step_seconds=st.step_seconds, engine_host_seconds=st.host_seconds,
+                    engine_dispatch_seconds=st.dispatch_seconds,
+                    engine_beside_seconds=st.beside_seconds, engine_wait_seconds=st.wait_seconds,
                     generation_tokens=st.decode_tokens)  # fmt: skip
 
     before = counters()
@@ -359,12 +364,16 @@ def main() -> None:
         f"{m['ttft_p99_ms']:.0f} | {m['itl_p50_ms']:.1f}/{m['itl_p99_ms']:.1f} | "
         f"{m['http_tok_s']:.0f} | {m['engine_tok_s']:.0f} | {m['http_over_engine']:.2f} |"
     )
-    print("\nThe engine's steps over the run (counters; the server's from /metrics)")
-    print("| engine | compiles | steps | ms/step | host ms/step | tokens |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "\nThe engine's steps over the run (counters; the server's from /metrics), ms per step: "
+        "host outside the calls; a call's dispatch, work beside it, wait for its tokens"
+    )
+    print("| engine | compiles | steps | ms/step | host | dispatch | beside | wait | tokens |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, e in (("alone", alone), ("in the server", served)):
         print(f"| {name} | {e['compiles']:.0f} | {e['steps']:.0f} | {e['step_ms']:.2f} | "
-              f"{e['host_ms']:.2f} | {e['tokens']:.0f} |")  # fmt: skip
+              f"{e['host_ms']:.2f} | {e['dispatch_ms']:.2f} | {e['beside_ms']:.2f} | "
+              f"{e['wait_ms']:.2f} | {e['tokens']:.0f} |")  # fmt: skip
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"serve_http_{args.random_weights or 'default'}.json"

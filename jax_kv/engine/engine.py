@@ -115,6 +115,11 @@ class EngineStats:
     # waited for the host there (the work's excess over the call counts as the call's time).
     beside_overran: int = 0
     delivered_beside_call: int = 0  # tokens and endings handed to requests while a call ran
+    # A call's time (inside step_seconds, not host_seconds) in three: dispatching the step and
+    # its picker (JAX's host work, until both are queued), the work beside it (beside_seconds),
+    # and the wait for its tokens after that work (the device's remainder, and the copy).
+    dispatch_seconds: float = 0.0
+    wait_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1030,6 +1035,7 @@ class Engine:
         # admitted after it was planned), or past the bound it was given.
         self._in_flight = (counts, rows)
         t1 = time.perf_counter()
+        self.stats.dispatch_seconds += t1 - t0
         try:
             with self.cache.beside_step():
                 self.stats.delivered_beside_call += self._deliver()  # the last call's tokens
@@ -1038,10 +1044,13 @@ class Engine:
                 self._retire()
         finally:
             self._in_flight = None
-            self.stats.beside_seconds += time.perf_counter() - t1
+            t2 = time.perf_counter()
+            self.stats.beside_seconds += t2 - t1
         self.stats.beside_overran += out.is_ready()
         sampled, status = _host(out), _host(status)
-        seconds = time.perf_counter() - t0
+        t3 = time.perf_counter()
+        self.stats.wait_seconds += t3 - t2
+        seconds = t3 - t0
         if kind == "prefill":
             self.stats.prefill_compiles += compiled
         else:

@@ -71,6 +71,12 @@ class _EngineCollector:
         yield CounterMetricFamily("jax_kv_engine_host_seconds",
                                   "Step time the device did not cover (planning, delivery)",
                                   value=s.host_seconds)  # fmt: skip
+        for part, what in (("dispatch", "dispatching the step and its token picker"),
+                           ("beside", "the work done while a call runs"),
+                           ("wait", "waiting for a call's tokens after that work")):  # fmt: skip
+            yield CounterMetricFamily(f"jax_kv_engine_{part}_seconds",
+                                      f"Calls' time {what}",
+                                      value=getattr(s, f"{part}_seconds"))  # fmt: skip
         if e.prefix is not None:
             p = e.prefix.stats
             yield CounterMetricFamily("jax_kv_prefix_hit_tokens",

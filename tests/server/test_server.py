@@ -168,6 +168,11 @@ def test_metrics_carry_the_engines_compiles_and_step_times(server):
         values["jax_kv_engine_host_seconds_total"],
     )
     assert 0 < host_s <= step_s
+    parts = [values[f"jax_kv_engine_{p}_seconds_total"] for p in ("dispatch", "beside", "wait")]
+    assert parts == [s.dispatch_seconds, s.beside_seconds, s.wait_seconds]
+    assert all(p > 0 for p in parts)
+    # A call's three parts are its time: the step's time less what lay outside the calls.
+    assert sum(parts) == pytest.approx(step_s - host_s, rel=1e-6, abs=1e-6)
 
 
 def test_a_closed_stream_frees_its_slot(server):
