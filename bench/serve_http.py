@@ -194,6 +194,20 @@ def scrape(port: int) -> dict[str, float]:
     return values
 
 
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of process `pid`, from /proc (empty where
+    there is none): tid == pid is the main thread, the server's event loop."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
 def engine_summary(c: dict[str, float]) -> dict[str, float]:
     """Compiles, steps and time per step of a run from its counters' differences."""
     steps = max(c["engine_steps"], 1)
@@ -323,9 +337,13 @@ def main() -> None:
             if server.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"server failed: {server.stderr.read().decode()[-2000:]}")
             time.sleep(0.2)
-        before = scrape(port)
+        before, cpu0 = scrape(port), thread_cpu(server.pid)
         results, http_s = asyncio.run(run_clients(port, bodies, model.tokenizer is None))
-        after = scrape(port)
+        after, cpu1 = scrape(port), thread_cpu(server.pid)
+        # The event loop (the main thread) against the busiest other thread (the driver).
+        used = {t: cpu1[t] - cpu0.get(t, 0.0) for t in cpu1}
+        loop_cpu = used.pop(server.pid, math.nan)
+        driver_cpu = max(used.values(), default=math.nan)
         served = engine_summary({k: after[k] - before[k] for k in ENGINE_COUNTERS})
     finally:
         server.send_signal(signal.SIGTERM)
@@ -351,6 +369,7 @@ def main() -> None:
     )  # fmt: skip
     m["http_over_engine"] = m["http_tok_s"] / m["engine_tok_s"]
     m["engine_alone"], m["engine_in_server"] = alone, served
+    m["server_loop_cpu_s"], m["server_busiest_thread_cpu_s"] = loop_cpu, driver_cpu
     print(
         f"\n{args.random_weights or args.model or 'SmolLM2-135M-Instruct'} ({dtype}), "
         f"{args.max_slots} slots, {n} concurrent streaming clients, prompt median "
@@ -374,6 +393,11 @@ def main() -> None:
         print(f"| {name} | {e['compiles']:.0f} | {e['steps']:.0f} | {e['step_ms']:.2f} | "
               f"{e['host_ms']:.2f} | {e['dispatch_ms']:.2f} | {e['beside_ms']:.2f} | "
               f"{e['wait_ms']:.2f} | {e['tokens']:.0f} |")  # fmt: skip
+    print(
+        f"The server's threads over the {http_s:.2f} s run: event loop {loop_cpu:.2f} CPU s "
+        f"({loop_cpu / http_s:.0%} of the run, {loop_cpu / max(http_tokens, 1) * 1e6:.0f} us per "
+        f"token), busiest other thread {driver_cpu:.2f} CPU s ({driver_cpu / http_s:.0%})"
+    )
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"serve_http_{args.random_weights or 'default'}.json"
