@@ -50,33 +50,28 @@ class _EngineCollector:
             "Decode tokens per second since the previous scrape",
             value=rate,
         )
-        yield CounterMetricFamily("jax_kv_generation_tokens", "Tokens the decode steps made",
-                                  value=s.decode_tokens)  # fmt: skip
-        yield CounterMetricFamily("jax_kv_prompt_tokens", "Prompt tokens prefilled",
-                                  value=s.prefill_tokens)  # fmt: skip
-        yield CounterMetricFamily("jax_kv_preemptions", "Requests preempted for memory",
-                                  value=s.preemptions)  # fmt: skip
-        yield CounterMetricFamily("jax_kv_decode_compiles", "Compiles of the decode step",
-                                  value=s.decode_compiles)  # fmt: skip
-        yield CounterMetricFamily("jax_kv_prefill_compiles",
-                                  "Compiles of the prefill step (one per bucket)",
-                                  value=s.prefill_compiles)  # fmt: skip
-        yield CounterMetricFamily("jax_kv_picker_compiles",
-                                  "Compiles of the token pickers (argmax, sampler)",
-                                  value=s.sampler_compiles)  # fmt: skip
-        yield CounterMetricFamily("jax_kv_engine_steps", "Engine scheduling iterations",
-                                  value=s.steps)  # fmt: skip
-        yield CounterMetricFamily("jax_kv_engine_step_seconds", "Time in engine steps",
-                                  value=s.step_seconds)  # fmt: skip
-        yield CounterMetricFamily("jax_kv_engine_host_seconds",
-                                  "Step time the device did not cover (planning, delivery)",
-                                  value=s.host_seconds)  # fmt: skip
-        for part, what in (("dispatch", "dispatching the step and its token picker"),
-                           ("beside", "the work done while a call runs"),
-                           ("wait", "waiting for a call's tokens after that work")):  # fmt: skip
-            yield CounterMetricFamily(f"jax_kv_engine_{part}_seconds",
-                                      f"Calls' time {what}",
-                                      value=getattr(s, f"{part}_seconds"))  # fmt: skip
+        for name, help_text, value in (
+            ("generation_tokens", "Tokens the decode steps made", s.decode_tokens),
+            ("prompt_tokens", "Prompt tokens prefilled", s.prefill_tokens),
+            ("preemptions", "Requests preempted for memory", s.preemptions),
+            ("decode_compiles", "Compiles of the decode step", s.decode_compiles),
+            ("prefill_compiles", "Compiles of the prefill step (one per bucket)",
+             s.prefill_compiles),
+            ("picker_compiles", "Compiles of the token pickers (argmax, sampler)",
+             s.sampler_compiles),
+            ("engine_steps", "Engine scheduling iterations", s.steps),
+            ("engine_step_seconds", "Time in engine steps", s.step_seconds),
+            ("engine_host_seconds", "Step time the device did not cover (planning, delivery)",
+             s.host_seconds),
+            # A call's time in three: dispatch + beside + wait = step - host.
+            ("engine_dispatch_seconds", "Calls' time dispatching the step and its token picker",
+             s.dispatch_seconds),
+            ("engine_beside_seconds", "Calls' time in the work done while a call runs",
+             s.beside_seconds),
+            ("engine_wait_seconds", "Calls' time waiting for their tokens after that work",
+             s.wait_seconds),
+        ):  # fmt: skip
+            yield CounterMetricFamily(f"jax_kv_{name}", help_text, value=value)
         if e.prefix is not None:
             p = e.prefix.stats
             yield CounterMetricFamily("jax_kv_prefix_hit_tokens",
