@@ -340,6 +340,12 @@ def main() -> None:
         before, cpu0 = scrape(port), thread_cpu(server.pid)
         results, http_s = asyncio.run(run_clients(port, bodies, model.tokenizer is None))
         after, cpu1 = scrape(port), thread_cpu(server.pid)
+        while True:  # the last step is counted just after its tokens reached the clients
+            time.sleep(0.3)
+            again = scrape(port)
+            if again["engine_steps"] == after["engine_steps"]:
+                break
+            after = again
         # The event loop (the main thread) against the busiest other thread (the driver).
         used = {t: cpu1[t] - cpu0.get(t, 0.0) for t in cpu1}
         loop_cpu = used.pop(server.pid, math.nan)

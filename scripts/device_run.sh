@@ -29,12 +29,12 @@ branch_build() {
 # before.tgz`, untracked; and this one), each built into its own --target directory once per
 # call; the editable install would shadow either, so it is removed.
 issue20_build() {
-  [ -e /tmp/issue20_built ] && return
+  [ -n "${ISSUE20_BUILT:-}" ] && return
   python3 -m pip uninstall -y -q jax_kv >/dev/null 2>&1
   mkdir -p /tmp/before /tmp/after && tar xzf before.tgz -C /tmp/before && tar --exclude=./.git --exclude=./build --exclude=./before.tgz --exclude=./.whl -cf - . | tar x -C /tmp/after
   for t in before after; do (cd /tmp/$t && JAX_KV_CUDA=ON python3 -m pip install -q --no-build-isolation \
-    --no-deps --target /tmp/${t}_site . > "$OUT/build_$t.log" 2>&1) & done; wait
-  touch /tmp/issue20_built
+    --no-deps --target /tmp/${t}_site . > "$OUT/build_$t.log" 2>&1 || echo "issue20: the $t tree failed to build") & done; wait
+  ISSUE20_BUILT=1
 }
 T0=$(date +%s)
 stage() { echo "=== $1 (t=$(( $(date +%s) - T0 ))s)"; }
@@ -161,7 +161,7 @@ for s in $STAGES; do
       for i in 1 2 3; do for t in after before; do (cd /tmp/$t && PYTHONPATH=/tmp/${t}_site:${PYTHONPATH:-} \
         timeout -k 10 100 python3 bench/generate.py --out "$OUT/gen_${t}_$i" --models qwen2.5-0.5b --batch 1 \
         --new-tokens 256 --impls jax_kv-seq,jax_kv-seq@8 2>&1 | grep "B=1 jax_kv" \
-        | sed -E "s/^/$t $i: /; s/'(replays|invalidations|growth_events|growth_keeps|kv_bytes_moved|committed_bytes|compile_s|arena)': [^,}]+[,}]//g"); done; done \
+        | sed -E "s/^/$t $i: /; s/,? ?'(replays|invalidations|growth_events|growth_keeps|kv_bytes_moved|committed_bytes|compile_s|arena)': [^,}]+//g"); done; done \
         | tee "$OUT/issue20_gen.log" ;;
     branch-prebuild)
       # An experiment's branch (carried as branch.tgz: `git archive BRANCH | gzip > branch.tgz`,

@@ -1345,7 +1345,7 @@ class Engine:
     def _drive(self) -> None:
         while True:
             with self._lock:
-                self._work.wait_for(
+                work = self._work.wait_for(
                     lambda: self._stop_thread or bool(self._queue) or self._holds_slots(),
                     timeout=0.1,
                 )
@@ -1353,6 +1353,8 @@ class Engine:
                     return
                 if self._failure is not None:
                     return
+                if not work:
+                    continue  # idle: a step would do nothing, and count in the stats
             try:
                 self._step(defer_delivery=True)
             except BaseException:  # noqa: BLE001 - _fail ended every request with it

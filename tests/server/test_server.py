@@ -153,12 +153,18 @@ def test_metrics_and_health(server):
 def test_metrics_carry_the_engines_compiles_and_step_times(server):
     base, state = server
     post(base, "/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 3})
+    # The request's end reaches the client before its step is counted: wait for the driver
+    # to go idle (an idle driver steps no more).
+    steps = -1
+    while state.engine.stats.steps != steps:
+        steps = state.engine.stats.steps
+        time.sleep(0.3)
     values = {}
     for line in get(f"{base}/metrics").text.splitlines():
         name, _, value = line.partition(" ")
         values[name] = float(value) if value and not name.startswith("#") else None
     s = state.engine.stats
-    # Read after the request: the driver steps again only when work arrives.
+    assert s.steps == steps
     assert values["jax_kv_decode_compiles_total"] == s.decode_compiles == 1
     assert values["jax_kv_picker_compiles_total"] == s.sampler_compiles == 2
     assert values["jax_kv_prefill_compiles_total"] == s.prefill_compiles >= 1
