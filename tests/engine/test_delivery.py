@@ -127,3 +127,21 @@ def test_an_interrupt_in_a_listener_loses_no_ending(model, rng):
             eng.close()
         except BaseException:  # noqa: BLE001 - the engine failed: its close may raise too
             pass
+
+
+def test_an_idle_driver_does_not_step(model, rng):
+    """The driver steps only while there is work: an idle engine's steps (and the step time
+    the server exports) stay where its last request left them."""
+    with engine(model) as eng:
+        eng.start()
+        time.sleep(0.35)  # the driver's wait times out every 0.1 s
+        assert eng.stats.steps == 0
+        req = eng.submit(prompts(rng, model, 1, 5, 10)[0], 3, stop_token_ids=[])
+        req.result(timeout=120)
+        # The last step is counted just after its tokens are delivered: then nothing moves.
+        counts = [eng.stats.steps]
+        for _ in range(4):
+            time.sleep(0.35)
+            counts.append(eng.stats.steps)
+        assert counts[1] > 0 and counts[1:] == [counts[1]] * 4, counts
+        eng.shutdown(drain=True)
