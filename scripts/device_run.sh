@@ -142,9 +142,8 @@ for s in $STAGES; do
         --dtype bfloat16 --max-slots 64 --max-len 4096 --clients 200 --out "$OUT" 2>&1 \
         | grep -v -E "^\s*$|WARNING|gpu_hlo_schedule|rematerialization" | tee "$OUT/serve_http.log" | tail -20 ;;
     issue20)
-      # Issue 20's before/after: the tree before the consolidation (0cf8012, carried as
-      # before.tgz: `git archive 0cf8012 | gzip > before.tgz`, untracked) against this one, each
-      # built into its own --target directory; the editable install would shadow either.
+      # Issue 20's before/after: the tree before the consolidation against this one
+      # (issue20_build).
       stage "issue 20: bench/attention.py decode + bench/generate.py B=1, before and after"
       issue20_build
       for t in before after; do (cd /tmp/$t && PYTHONPATH=/tmp/${t}_site:${PYTHONPATH:-} timeout -k 10 150 \
