@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -176,20 +177,22 @@ def serve_stub(argv: list[str]) -> None:
                              log_level="warning"))  # fmt: skip
 
 
-ENGINE_COUNTERS = ("decode_compiles", "prefill_compiles", "picker_compiles", "engine_steps",
-                   "engine_step_seconds", "engine_host_seconds", "engine_dispatch_seconds",
-                   "engine_beside_seconds", "engine_wait_seconds", "generation_tokens")  # fmt: skip
+def counters(stats) -> dict[str, float]:
+    """An Engine's counters by the names /metrics gives them (engine_counters)."""
+    from jax_kv.server.metrics import engine_counters
+
+    return {name: float(value) for name, (_, value) in engine_counters(stats).items()}
 
 
-def scrape(port: int) -> dict[str, float]:
-    """The server engine's counters from GET /metrics (ENGINE_COUNTERS, without jax_kv_)."""
+def scrape(port: int, names: Iterable[str]) -> dict[str, float]:
+    """The server engine's counters `names` from GET /metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
-    values = {}
+    wanted, values = set(names), {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
         key = name.removeprefix("jax_kv_").removesuffix("_total")
-        if key in ENGINE_COUNTERS:
+        if key in wanted:
             values[key] = float(value)
     return values
 
@@ -289,23 +292,13 @@ def main() -> None:
     if stub:
         stub_device(eng, args.stub_device_ms, args.stub_token_us, args.stub_dispatch_us)
     eng.warm_up()
-
-    def counters() -> dict[str, float]:
-        st = eng.stats
-        return dict(decode_compiles=st.decode_compiles, prefill_compiles=st.prefill_compiles,
-                    picker_compiles=st.sampler_compiles, engine_steps=st.steps,
-                    engine_step_seconds=st.step_seconds, engine_host_seconds=st.host_seconds,
-                    engine_dispatch_seconds=st.dispatch_seconds,
-                    engine_beside_seconds=st.beside_seconds, engine_wait_seconds=st.wait_seconds,
-                    generation_tokens=st.decode_tokens)  # fmt: skip
-
-    before = counters()
+    before = counters(eng.stats)
     t0 = time.perf_counter()
     reqs = [eng.submit(p, k) for p, k in zip(prompts, news, strict=True)]
     eng.run_until_idle()
     engine_s = time.perf_counter() - t0
-    after = counters()
-    alone = engine_summary({k: after[k] - before[k] for k in ENGINE_COUNTERS})
+    after = counters(eng.stats)
+    alone = engine_summary({k: after[k] - before[k] for k in after})
     want = [r.result() for r in reqs]
     eng.close()
     engine_tokens = sum(c.completion_tokens for c in want)
@@ -337,12 +330,13 @@ def main() -> None:
             if server.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"server failed: {server.stderr.read().decode()[-2000:]}")
             time.sleep(0.2)
-        before, cpu0 = scrape(port), thread_cpu(server.pid)
+        names = list(after)
+        before, cpu0 = scrape(port, names), thread_cpu(server.pid)
         results, http_s = asyncio.run(run_clients(port, bodies, model.tokenizer is None))
-        after, cpu1 = scrape(port), thread_cpu(server.pid)
+        after, cpu1 = scrape(port, names), thread_cpu(server.pid)
         while True:  # the last step is counted just after its tokens reached the clients
             time.sleep(0.3)
-            again = scrape(port)
+            again = scrape(port, names)
             if again["engine_steps"] == after["engine_steps"]:
                 break
             after = again
@@ -350,7 +344,7 @@ def main() -> None:
         used = {t: cpu1[t] - cpu0.get(t, 0.0) for t in cpu1}
         loop_cpu = used.pop(server.pid, math.nan)
         driver_cpu = max(used.values(), default=math.nan)
-        served = engine_summary({k: after[k] - before[k] for k in ENGINE_COUNTERS})
+        served = engine_summary({k: after[k] - before[k] for k in names})
     finally:
         server.send_signal(signal.SIGTERM)
         code = server.wait(120)

@@ -15,6 +15,38 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 5)
 
 
+def engine_counters(s: Any) -> dict[str, tuple[str, float]]:
+    """The EngineStats `s` that /metrics exports as counters: name (after `jax_kv_`, before
+    `_total`) -> (help, value). bench/serve_http.py reads the same names from an Engine."""
+    return {
+        "generation_tokens": ("Tokens the decode steps made", s.decode_tokens),
+        "prompt_tokens": ("Prompt tokens prefilled", s.prefill_tokens),
+        "preemptions": ("Requests preempted for memory", s.preemptions),
+        "decode_compiles": ("Compiles of the decode step", s.decode_compiles),
+        "prefill_compiles": ("Compiles of the prefill step (one per bucket)", s.prefill_compiles),
+        "picker_compiles": ("Compiles of the token pickers (argmax, sampler)", s.sampler_compiles),
+        "engine_steps": ("Engine scheduling iterations", s.steps),
+        "engine_step_seconds": ("Time in engine steps", s.step_seconds),
+        "engine_host_seconds": (
+            "Step time the device did not cover (planning, delivery)",
+            s.host_seconds,
+        ),
+        # A call's time in three: dispatch + beside + wait = step - host.
+        "engine_dispatch_seconds": (
+            "Calls' time dispatching the step and its token picker",
+            s.dispatch_seconds,
+        ),
+        "engine_beside_seconds": (
+            "Calls' time in the work done while a call runs",
+            s.beside_seconds,
+        ),
+        "engine_wait_seconds": (
+            "Calls' time waiting for their tokens after that work",
+            s.wait_seconds,
+        ),
+    }
+
+
 class _EngineCollector:
     """Gauges and counters read from the engine when scraped (no bookkeeping per step)."""
 
@@ -50,27 +82,7 @@ class _EngineCollector:
             "Decode tokens per second since the previous scrape",
             value=rate,
         )
-        for name, help_text, value in (
-            ("generation_tokens", "Tokens the decode steps made", s.decode_tokens),
-            ("prompt_tokens", "Prompt tokens prefilled", s.prefill_tokens),
-            ("preemptions", "Requests preempted for memory", s.preemptions),
-            ("decode_compiles", "Compiles of the decode step", s.decode_compiles),
-            ("prefill_compiles", "Compiles of the prefill step (one per bucket)",
-             s.prefill_compiles),
-            ("picker_compiles", "Compiles of the token pickers (argmax, sampler)",
-             s.sampler_compiles),
-            ("engine_steps", "Engine scheduling iterations", s.steps),
-            ("engine_step_seconds", "Time in engine steps", s.step_seconds),
-            ("engine_host_seconds", "Step time the device did not cover (planning, delivery)",
-             s.host_seconds),
-            # A call's time in three: dispatch + beside + wait = step - host.
-            ("engine_dispatch_seconds", "Calls' time dispatching the step and its token picker",
-             s.dispatch_seconds),
-            ("engine_beside_seconds", "Calls' time in the work done while a call runs",
-             s.beside_seconds),
-            ("engine_wait_seconds", "Calls' time waiting for their tokens after that work",
-             s.wait_seconds),
-        ):  # fmt: skip
+        for name, (help_text, value) in engine_counters(s).items():
             yield CounterMetricFamily(f"jax_kv_{name}", help_text, value=value)
         if e.prefix is not None:
             p = e.prefix.stats
