@@ -373,7 +373,8 @@ def main() -> None:
     print(
         f"\n{args.random_weights or args.model or 'SmolLM2-135M-Instruct'} ({dtype}), "
         f"{args.max_slots} slots, {n} concurrent streaming clients, prompt median "
-        f"{args.prompt_median}, output median {args.output_median}, greedy"
+        f"{args.prompt_median}, output median {args.output_median}, greedy, GIL switch "
+        f"interval {sys.getswitchinterval() * 1e3:g} ms"
     )
     print("| completed | 429 | lost | truncated/different | TTFT p50/p99 ms | ITL p50/p99 ms "
           "| HTTP tok/s | Engine tok/s | HTTP/Engine |")  # fmt: skip
@@ -401,8 +402,8 @@ def main() -> None:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"serve_http_{args.random_weights or 'default'}.json"
-        path.write_text(json.dumps(dict(meta=vars(args) | {"out": str(args.out)}, results=m),
-                                   indent=1))  # fmt: skip
+        meta = vars(args) | {"out": str(args.out), "switch_interval_s": sys.getswitchinterval()}
+        path.write_text(json.dumps(dict(meta=meta, results=m), indent=1))
         print(f"wrote {path}")
 
 

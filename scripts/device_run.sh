@@ -137,10 +137,17 @@ for s in $STAGES; do
         --rates ${PREFIX_RATES:-inf} --out "$OUT" 2>&1 | grep -v -E "^\s*$|WARNING|gpu_hlo_schedule|rematerialization" \
         | tee "$OUT/serve_prefix.log" | tail -20 ;;
     serve-http)
-      stage "bench/serve_http.py"
-      timeout -k 10 ${HTTP_TIMEOUT:-300} python3 bench/serve_http.py --random-weights llama-3-8b \
-        --dtype bfloat16 --max-slots 64 --max-len 4096 --clients 200 --out "$OUT" 2>&1 \
-        | grep -v -E "^\s*$|WARNING|gpu_hlo_schedule|rematerialization" | tee "$OUT/serve_http.log" | tail -20 ;;
+      # HTTP_SWITCH_S sets sys.setswitchinterval in the bench and the server (a sitecustomize
+      # on PYTHONPATH): how long a thread that wants the GIL waits before it asks the holder.
+      stage "bench/serve_http.py${HTTP_SWITCH_S:+ (switch interval $HTTP_SWITCH_S s)}"
+      tag=serve_http${HTTP_SWITCH_S:+_switch$HTTP_SWITCH_S} pp=${PYTHONPATH:-}
+      if [ -n "${HTTP_SWITCH_S:-}" ]; then
+        mkdir -p /tmp/switch && echo "import sys; sys.setswitchinterval($HTTP_SWITCH_S)" > /tmp/switch/sitecustomize.py
+        pp=/tmp/switch${pp:+:$pp}
+      fi
+      PYTHONPATH=$pp timeout -k 10 ${HTTP_TIMEOUT:-300} python3 bench/serve_http.py --random-weights llama-3-8b \
+        --dtype bfloat16 --max-slots 64 --max-len 4096 --clients 200 --out "$OUT/$tag" ${HTTP_ARGS:-} 2>&1 \
+        | grep -v -E "^\s*$|WARNING|gpu_hlo_schedule|rematerialization" | tee "$OUT/$tag.log" | tail -20 ;;
     issue20)
       # Issue 20's before/after: the tree before the consolidation against this one
       # (issue20_build).
