@@ -271,7 +271,8 @@ def test_hand_over_of_a_slot_linked_to_the_prefix_store_replaces_its_granules(ar
     store are gone; committed bytes follow."""
     if arena is None:
         pytest.skip("the prefix store needs a VmmArena")
-    with make(arena, max_len=4000, prefix_store=True) as cache:
+    # max_len in granules: a block is 128 tokens on the host arena, 4,096 on CUDA's 2 MiB.
+    with make(arena, max_len=4 * granule_tokens(arena), prefix_store=True) as cache:
         bt = cache.block_tokens
         cache.ensure_slot(0, 2 * bt + 1)
         write_token_rows(cache, 0, 2 * bt + 1, 5.0)
