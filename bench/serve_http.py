@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import os
@@ -151,30 +152,29 @@ def stub_device(
     engine._accept = lambda caches, verify: None
 
 
-def stub_engine_class(step_ms: float, token_us: float, dispatch_us: float):
-    """An Engine class whose instances run on stub_device (the server process's)."""
+def stub_engine(step_ms: float, token_us: float, dispatch_us: float, **engine_kwargs):
+    """An Engine on the tiny random model whose calls run on stub_device: built where the
+    server's engine runs (its own process, or the server's)."""
+    import jax_kv.models as jm
     from jax_kv.engine import Engine
 
-    class StubEngine(Engine):
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            stub_device(self, step_ms, token_us, dispatch_us)
-
-    return StubEngine
+    eng = Engine(jm.random_model("tiny-llama", seed=0, dtype="float32"), **engine_kwargs)
+    stub_device(eng, step_ms, token_us, dispatch_us)
+    return eng
 
 
 def serve_stub(argv: list[str]) -> None:
     """The server process of --stub-device-ms: `python -m jax_kv serve`'s run() with its
     Engine on stub_device."""
-    step_ms, token_us, dispatch_us, port, slots, max_len, chunk = argv
-    import jax_kv.models as jm
+    step_ms, token_us, dispatch_us, port, slots, max_len, chunk, in_process = argv
     import jax_kv.server.main as server_main
 
-    server_main.Engine = stub_engine_class(float(step_ms), float(token_us), float(dispatch_us))
-    model = jm.random_model("tiny-llama", seed=0, dtype="float32")
-    sys.exit(server_main.run(model, model_name="bench", port=int(port), max_slots=int(slots),
-                             max_len=int(max_len), prefill_chunk_tokens=int(chunk),
-                             log_level="warning"))  # fmt: skip
+    make_engine = functools.partial(
+        stub_engine, float(step_ms), float(token_us), float(dispatch_us),
+        max_slots=int(slots), max_len=int(max_len), prefill_chunk_tokens=int(chunk),
+    )  # fmt: skip
+    sys.exit(server_main.run(make_engine, model_name="bench", port=int(port),
+                             log_level="warning", engine_process=in_process != "1"))  # fmt: skip
 
 
 def counters(stats) -> dict[str, float]:
@@ -198,16 +198,20 @@ def scrape(port: int, names: Iterable[str]) -> dict[str, float]:
 
 
 def thread_cpu(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of each thread of process `pid`, from /proc (empty where
-    there is none): tid == pid is the main thread, the server's event loop."""
+    """CPU seconds (user + system) of each thread of process `pid` and of its child
+    processes (the engine's, when serve runs it apart), from /proc (empty where there is
+    none): tid == pid is the main thread, the server's event loop."""
     ticks = os.sysconf("SC_CLK_TCK")
     out = {}
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
             fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            children = (task / "children").read_text().split()
         except OSError:
             continue
         out[int(task.name)] = (int(fields[11]) + int(fields[12])) / ticks
+        for child in children:
+            out.update(thread_cpu(int(child)))
     return out
 
 
@@ -257,6 +261,11 @@ def main() -> None:
         type=float,
         default=1000.0,
         help="with --stub-device-ms: host time (GIL held) to dispatch a call",
+    )
+    ap.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="the server runs its engine on a thread of its own process (serve's flag)",
     )
     args = ap.parse_args()
     stub = args.stub_device_ms is not None
@@ -310,12 +319,14 @@ def main() -> None:
            "--dtype", dtype]  # fmt: skip
     if stub:
         stub_args = (args.stub_device_ms, args.stub_token_us, args.stub_dispatch_us, port,
-                     args.max_slots, args.max_len, args.chunk)  # fmt: skip
+                     args.max_slots, args.max_len, args.chunk, int(args.engine_in_process))  # fmt: skip
         cmd = [sys.executable, __file__, "--serve-stub", *map(str, stub_args)]
     elif args.random_weights:
         cmd += ["--random-weights", args.random_weights]
     elif args.model:
         cmd += ["--model", args.model]
+    if args.engine_in_process and not stub:
+        cmd += ["--engine-in-process"]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               env=dict(os.environ))  # fmt: skip
     try:
@@ -340,7 +351,8 @@ def main() -> None:
             if again["engine_steps"] == after["engine_steps"]:
                 break
             after = again
-        # The event loop (the main thread) against the busiest other thread (the driver).
+        # The event loop (the main thread) against the busiest other thread (the driver, on a
+        # thread of the server or in the engine's process).
         used = {t: cpu1[t] - cpu0.get(t, 0.0) for t in cpu1}
         loop_cpu = used.pop(server.pid, math.nan)
         driver_cpu = max(used.values(), default=math.nan)
@@ -374,7 +386,8 @@ def main() -> None:
         f"\n{args.random_weights or args.model or 'SmolLM2-135M-Instruct'} ({dtype}), "
         f"{args.max_slots} slots, {n} concurrent streaming clients, prompt median "
         f"{args.prompt_median}, output median {args.output_median}, greedy, GIL switch "
-        f"interval {sys.getswitchinterval() * 1e3:g} ms"
+        f"interval {sys.getswitchinterval() * 1e3:g} ms, the server's engine "
+        f"{'on a thread of its process' if args.engine_in_process else 'in its own process'}"
     )
     print("| completed | 429 | lost | truncated/different | TTFT p50/p99 ms | ITL p50/p99 ms "
           "| HTTP tok/s | Engine tok/s | HTTP/Engine |")  # fmt: skip

@@ -5,6 +5,7 @@ engine) and `demo` (the ops alone)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -237,6 +238,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.model is not None and not Path(args.model).exists():
         raise UserError(f"--model: {args.model}: no such file or directory")
     try:
+        from jax_kv.server import engine_process
         from jax_kv.server import main as server_main
     except ImportError as e:
         raise UserError(
@@ -244,26 +246,41 @@ def serve(args: argparse.Namespace) -> int:
         ) from None
     import jax
 
-    import jax_kv.models as jm
-
-    if args.tp > jax.device_count():
+    if args.random_weights and args.model:
+        raise UserError("--random-weights: give it or --model, not both")
+    # Only past one device: counting them starts this process's backend (on a GPU, a CUDA
+    # context the engine's process would then share the device with).
+    if args.tp > 1 and args.tp > jax.device_count():
         raise UserError(f"--tp: {args.tp} devices asked for, {jax.device_count()} present")
-    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     if args.random_weights:
-        if args.model:
-            raise UserError("--random-weights: give it or --model, not both")
-        model = jm.random_model(args.random_weights, dtype=dtype)
         name = args.served_model_name or f"random-{args.random_weights}"
     else:
-        model = jm.load(args.model, dtype=dtype) if args.model else jm.default(dtype=dtype)
         name = args.served_model_name or (
             Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
         )
-    return server_main.run(
-        model, model_name=name, host=args.host, port=args.port, max_slots=args.max_slots,
+    load = functools.partial(load_served_model, args.model, args.random_weights, args.dtype)
+    make_engine = functools.partial(
+        engine_process.build_engine, load, tp=args.tp, max_slots=args.max_slots,
         max_len=args.max_len, prefill_chunk_tokens=args.prefill_chunk_tokens,
-        max_queue=args.max_queue, api_key=args.api_key, tp=args.tp,
+        max_queue=args.max_queue,
     )  # fmt: skip
+    return server_main.run(
+        make_engine, model_name=name, host=args.host, port=args.port, api_key=args.api_key,
+        engine_process=not args.engine_in_process,
+    )  # fmt: skip
+
+
+def load_served_model(path: str | None, random_weights: str | None, dtype: str | None) -> Any:
+    """serve's model, loaded where the engine runs: `path`, else random weights of a preset,
+    else the embedded default; dtype default bfloat16 on a GPU, float32 elsewhere."""
+    import jax
+
+    import jax_kv.models as jm
+
+    dtype = dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    if random_weights:
+        return jm.random_model(random_weights, dtype=dtype)
+    return jm.load(path, dtype=dtype) if path else jm.default(dtype=dtype)
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -367,6 +384,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--tp", type=_int_arg(1), default=1, metavar="N",
         help="tensor parallelism over the KV heads of the first N devices (default 1)",
+    )  # fmt: skip
+    s.add_argument(
+        "--engine-in-process", action="store_true",
+        help="run the engine on a thread of the server's process (default: a process of its "
+        "own, so the event loop and the engine do not share a GIL)",
     )  # fmt: skip
     s.set_defaults(run=serve)
     d = sub.add_parser(

@@ -260,6 +260,12 @@ class SlotCache:
         """Granules per binding a slot of `tokens` tokens needs."""
         return -(-int(tokens) * self.token_bytes // self.granule)
 
+    def tokens_within(self, nbytes: int) -> int:
+        """The most tokens one slot can hold in `nbytes` bytes (all bindings), at most
+        max_len: the largest t with bytes_for(t) <= nbytes."""
+        granules = int(nbytes) // (self.bindings * self.granule)
+        return min(self.max_len, granules * self.granule // self.token_bytes)
+
     @property
     def block_bytes(self) -> int:
         """One prefix block over all bindings: what a slot's private copy of one holds."""

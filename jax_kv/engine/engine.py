@@ -123,6 +123,94 @@ class EngineStats:
 
 
 @dataclasses.dataclass(frozen=True)
+class EngineSnapshot:
+    """What an observer (the server's /metrics) reads of an engine at one time: a copy, so
+    that it can cross a process boundary (jax_kv.server.engine_process)."""
+
+    stats: EngineStats
+    running: int
+    waiting: int
+    # KV bytes: the cache's committed, held and live bytes and the prefix blocks no request
+    # maps (None once the cache is closed).
+    kv: dict[str, int] | None
+    prefix: Any = None  # a copy of PrefixCache.stats, None without a prefix cache
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """What submit() checks a request against, known once the engine is built: the same
+    checks run where the engine is only reachable through a pipe (the server's process)."""
+
+    max_len: int
+    vocab_size: int
+    max_request_tokens: int  # the most tokens one slot can ever hold in the engine's memory
+    capacity_bytes: int  # that memory
+
+    def check(
+        self,
+        model: Any,
+        prompt: str | Sequence[int],
+        max_new_tokens: int,
+        sampling: Sampling | None,
+        stop: str | Sequence[str] | None,
+        stop_token_ids: Iterable[int] | None,
+    ) -> tuple[list[int], int, Sampling, list[str], frozenset[int]]:
+        """-> (prompt ids, max_new_tokens, sampling, stop strings, stop ids), or ValueError
+        naming the argument. `model` gives the tokenizer and the config (no weights used)."""
+        ids = self._encode(model, prompt)
+        max_new = _check_int("max_new_tokens", max_new_tokens, 1)
+        if sampling is None:
+            sampling = GREEDY
+        elif not isinstance(sampling, Sampling):
+            raise ValueError(f"sampling: expected a jax_kv.Sampling or None, got {sampling!r}")
+        total = len(ids) + max_new
+        if total > self.max_len:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens + max_new_tokens {max_new} = {total} exceeds "
+                f"max_len={self.max_len}"
+            )
+        if total - 1 > self.max_request_tokens:  # the last token is returned, never cached
+            raise ValueError(
+                f"prompt: {len(ids)} tokens + max_new_tokens {max_new} need the KV memory of "
+                f"{total - 1} tokens, more than the {self.capacity_bytes} bytes the engine can "
+                f"ever give one request ({self.max_request_tokens} tokens)"
+            )
+        stops = _stop_strings(stop)
+        if stops and getattr(model, "tokenizer", None) is None:
+            raise ValueError("stop: stop strings need a tokenizer; this model has none")
+        stop_ids = frozenset(stop_token_set(model.config, stop_token_ids, "stop_token_ids"))
+        return ids, max_new, sampling, stops, stop_ids
+
+    def _encode(self, model: Any, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = list(model.encode(prompt))
+        elif isinstance(prompt, Sequence | np.ndarray):
+            ids = []
+            for t in prompt:
+                if isinstance(t, bool) or not isinstance(t, int | np.integer):
+                    raise ValueError(f"prompt: expected token ids (ints), got {t!r}")
+                ids.append(int(t))
+        else:
+            raise ValueError(f"prompt: expected a string or token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt: expected at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} outside [0, vocab={self.vocab_size})")
+        return ids
+
+
+def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop: expected non-empty strings, got {s!r}")
+    return stops
+
+
+@dataclasses.dataclass(frozen=True)
 class StepRecord:
     """What the last step did (Engine.last_step): the benchmark's per-step view."""
 
@@ -306,6 +394,9 @@ class Engine:
         self._ahead: dict[int, tuple[_Seq, int]] = {}
         # Tokens and endings not yet handed to their requests (_deliver), in order.
         self._outbox: list[tuple[Request, Delta | Completion]] = []
+        # Called on the step's thread after each delivery that handed anything over: one
+        # batch of tokens, where a per-token listener would send per token (engine_process).
+        self.on_delivered: Any = None
         self._admissions = 0
         self._traces = {"prefill": 0, "decode": 0}
         # The caches are donated: XLA writes the arena's memory in place (SlotCache.writes_back:
@@ -336,7 +427,13 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop_thread = False
         # The memory any one request may hold: the budget (or the arena) with no other slot.
-        self._capacity_bytes = self.cache.available_bytes()
+        capacity = self.cache.available_bytes()
+        self.limits = RequestLimits(
+            max_len=self.max_len,
+            vocab_size=config.vocab_size,
+            max_request_tokens=self.cache.tokens_within(capacity),
+            capacity_bytes=capacity,
+        )
 
     # -- compiled steps -------------------------------------------------------------------
 
@@ -457,37 +554,18 @@ class Engine:
                 could ever hold (naming the numbers).
             QueueFull: max_queue requests wait. EngineError: shut down or failed.
         """
-        ids = self._encode(prompt)
-        max_new = _check_int("max_new_tokens", max_new_tokens, 1)
-        if sampling is None:
-            sampling = GREEDY
-        elif not isinstance(sampling, Sampling):
-            raise ValueError(f"sampling: expected a jax_kv.Sampling or None, got {sampling!r}")
-        total = len(ids) + max_new
-        if total > self.max_len:
-            raise ValueError(
-                f"prompt: {len(ids)} tokens + max_new_tokens {max_new} = {total} exceeds "
-                f"max_len={self.max_len}"
-            )
-        need = self.cache.bytes_for(total - 1)  # the last token is returned, never cached
-        if need > self._capacity_bytes:
-            raise ValueError(
-                f"prompt: {len(ids)} tokens + max_new_tokens {max_new} need {need} bytes of KV "
-                f"memory, more than the {self._capacity_bytes} bytes the engine can ever "
-                f"give one request"
-            )
-        stops = self._stop_strings(stop)
+        ids, max_new, sampling, stops, stop_ids = self.limits.check(
+            self.model, prompt, max_new_tokens, sampling, stop, stop_token_ids
+        )
         text = None
         if getattr(self.model, "tokenizer", None) is not None:
             text = TextStream(lambda t: self.model.decode(t, skip_special_tokens=True), stops)
-        elif stops:
-            raise ValueError("stop: stop strings need a tokenizer; this model has none")
         seq = _Seq(
             request=Request(ids, request_id, on_cancel=self._note_cancel),
             prompt=ids,
             max_new=max_new,
             sampling=sampling,
-            stop_ids=self._stop_ids(stop_token_ids),
+            stop_ids=stop_ids,
             text=text,
         )
         with self._lock:
@@ -506,39 +584,23 @@ class Engine:
             self._work.notify_all()
         return seq.request
 
-    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            ids = list(self.model.encode(prompt))
-        elif isinstance(prompt, Sequence | np.ndarray):
-            ids = []
-            for t in prompt:
-                if isinstance(t, bool) or not isinstance(t, int | np.integer):
-                    raise ValueError(f"prompt: expected token ids (ints), got {t!r}")
-                ids.append(int(t))
-        else:
-            raise ValueError(f"prompt: expected a string or token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt: expected at least one token")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt: token id {bad[0]} outside [0, vocab={vocab})")
-        return ids
-
-    @staticmethod
-    def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
-        if stop is None:
-            return []
-        stops = [stop] if isinstance(stop, str) else list(stop)
-        for s in stops:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop: expected non-empty strings, got {s!r}")
-        return stops
-
-    def _stop_ids(self, stop_token_ids: Iterable[int] | None) -> frozenset[int]:
-        return frozenset(stop_token_set(self.model.config, stop_token_ids, "stop_token_ids"))
-
     # -- the scheduling step ------------------------------------------------------------
+
+    def snapshot(self) -> EngineSnapshot:
+        """The counters, the requests and the KV bytes now (read from any thread: each value
+        is current, the set of them not one instant's)."""
+        cache = self.cache
+        kv = None
+        if not cache.closed:
+            kv = dict(committed=cache.committed_bytes, held=cache.held_bytes,
+                      live=cache.live_bytes, cached_only=cache.cached_only_bytes)  # fmt: skip
+        stats = dataclasses.replace(
+            self.stats,
+            finished=dict(self.stats.finished),
+            prefill_buckets=list(self.stats.prefill_buckets),
+        )
+        prefix = None if self.prefix is None else dataclasses.replace(self.prefix.stats)
+        return EngineSnapshot(stats, self.num_running, self.num_waiting, kv, prefix)
 
     @property
     def num_running(self) -> int:
@@ -1257,6 +1319,8 @@ class Engine:
                     raise
                 if interrupt is None and not isinstance(error, Exception):
                     interrupt = error
+        if outbox and self.on_delivered is not None:
+            self.on_delivered()
         if interrupt is not None:
             raise interrupt
         return len(outbox)
@@ -1417,4 +1481,12 @@ class Engine:
         self.close()
 
 
-__all__ = ["Engine", "EngineError", "EngineStats", "QueueFull", "StepRecord"]
+__all__ = [
+    "Engine",
+    "EngineError",
+    "EngineSnapshot",
+    "EngineStats",
+    "QueueFull",
+    "RequestLimits",
+    "StepRecord",
+]

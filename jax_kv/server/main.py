@@ -1,17 +1,19 @@
-"""Runs the server: an Engine on a model, the app, uvicorn; SIGTERM drains and exits 0."""
+"""Runs the server: an Engine (in its own process by default), the app, uvicorn; SIGTERM
+drains and exits 0."""
 
 from __future__ import annotations
 
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
 
 from jax_kv.engine import Engine
-from jax_kv.parallel import tp_mesh
 from jax_kv.server.app import DRAIN_TIMEOUT_S, create_app
+from jax_kv.server.engine_process import EngineProcess
 
 
 class _Server(uvicorn.Server):
@@ -28,24 +30,20 @@ class _Server(uvicorn.Server):
 
 
 def run(
-    model: Any,
+    make_engine: Callable[[], Engine],
     *,
     model_name: str,
     host: str = "127.0.0.1",
     port: int = 8000,
-    max_slots: int = 8,
-    max_len: int | None = None,
-    prefill_chunk_tokens: int = 512,
-    max_queue: int = 1024,
     api_key: str | None = None,
     log_level: str = "info",
-    tp: int = 1,
+    engine_process: bool = True,
 ) -> int:
-    mesh = tp_mesh(tp) if tp > 1 else None  # the KV heads split over the first tp devices
-    engine = Engine(
-        model, max_slots=max_slots, max_len=max_len, prefill_chunk_tokens=prefill_chunk_tokens,
-        max_queue=max_queue, mesh=mesh,
-    )  # fmt: skip
+    """Serves the Engine `make_engine()` builds (a picklable callable: engine_process.
+    build_engine with its arguments bound). engine_process: build and run it in a process of
+    its own (EngineProcess), so the event loop and the engine's driver do not share a GIL;
+    False runs it on a thread of this process."""
+    engine: Any = EngineProcess(make_engine) if engine_process else make_engine()
     app = create_app(engine, model_name=model_name, api_key=api_key)
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, lifespan="on",
@@ -54,9 +52,10 @@ def run(
     server = _Server(config, app.state.jax_kv)
     state = app.state.jax_kv
     state.on_failure = lambda: setattr(server, "should_exit", True)  # exit 1, below
+    where = "in its own process" if engine_process else "on a thread of this process"
     print(
-        f"jax_kv: serving {model_name!r} on http://{host}:{port}/v1 ({max_slots} slots, "
-        f"max_len {engine.max_len}, tp {tp}); /health answers 200 once warmed up",
+        f"jax_kv: serving {model_name!r} on http://{host}:{port}/v1 ({engine.max_slots} slots, "
+        f"max_len {engine.max_len}, the engine {where}); /health answers 200 once warmed up",
         file=sys.stderr,
     )
     # uvicorn re-raises the stop signal to the handler it found once its graceful shutdown

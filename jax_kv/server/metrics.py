@@ -55,23 +55,19 @@ class _EngineCollector:
         self._last = (time.monotonic(), 0)
 
     def collect(self) -> Any:
-        e, s = self.engine, self.engine.stats
-        cache = e.cache
+        snap = self.engine.snapshot()  # in this process or the engine's (engine_process)
+        s = snap.stats
         yield GaugeMetricFamily("jax_kv_requests_running", "Requests holding a slot",
-                                value=e.num_running)  # fmt: skip
+                                value=snap.running)  # fmt: skip
         yield GaugeMetricFamily("jax_kv_requests_waiting", "Requests queued",
-                                value=e.num_waiting)  # fmt: skip
-        if not cache.closed:
-            yield GaugeMetricFamily(
-                "jax_kv_kv_committed_bytes",
-                "Physical KV bytes of the cache",
-                value=cache.committed_bytes,
-            )
-            yield GaugeMetricFamily(
-                "jax_kv_kv_held_bytes", "KV bytes the slots' granules take", value=cache.held_bytes
-            )
-            yield GaugeMetricFamily("jax_kv_kv_live_bytes", "KV bytes of the live tokens",
-                                    value=cache.live_bytes)  # fmt: skip
+                                value=snap.waiting)  # fmt: skip
+        if snap.kv is not None:
+            for key, name, help_text in (
+                ("committed", "committed", "Physical KV bytes of the cache"),
+                ("held", "held", "KV bytes the slots' granules take"),
+                ("live", "live", "KV bytes of the live tokens"),
+            ):
+                yield GaugeMetricFamily(f"jax_kv_kv_{name}_bytes", help_text, value=snap.kv[key])
         tokens = s.decode_tokens
         now = time.monotonic()
         t_last, n_last = self._last
@@ -84,8 +80,8 @@ class _EngineCollector:
         )
         for name, (help_text, value) in engine_counters(s).items():
             yield CounterMetricFamily(f"jax_kv_{name}", help_text, value=value)
-        if e.prefix is not None:
-            p = e.prefix.stats
+        if snap.prefix is not None:
+            p = snap.prefix
             yield CounterMetricFamily("jax_kv_prefix_hit_tokens",
                                       "Prompt tokens served from the prefix cache",
                                       value=p.hit_tokens)  # fmt: skip
@@ -94,10 +90,10 @@ class _EngineCollector:
             yield CounterMetricFamily(
                 "jax_kv_prefix_evicted_blocks", "Prefix blocks evicted", value=p.evicted_blocks
             )
-            if not cache.closed:
+            if snap.kv is not None:
                 yield GaugeMetricFamily("jax_kv_prefix_cached_only_bytes",
                                         "KV bytes of cached prefix blocks no request maps",
-                                        value=cache.cached_only_bytes)  # fmt: skip
+                                        value=snap.kv["cached_only"])  # fmt: skip
         finished = CounterMetricFamily("jax_kv_requests_finished", "Requests ended, by reason",
                                        labels=["finish_reason"])  # fmt: skip
         for reason, n in sorted(s.finished.items()):

@@ -208,8 +208,9 @@ def test_submit_refusals_name_the_numbers(model, engine):
     granule = 16 * token_bytes(model)
     small = 4 * granule * 2 * model.config.num_layers  # 64 tokens per request at most
     with engine(model, kv_budget_bytes=small) as eng:
-        with pytest.raises(ValueError, match=r"need \d+ bytes of KV memory, more than the "
-                           r"\d+ bytes the engine can ever give one request"):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"need the KV memory of 69 tokens, more than "
+                           rf"the {small} bytes the engine can ever give one request \(64 "
+                           r"tokens\)"):  # fmt: skip
             eng.submit([1] * 60, 10)
         eng.submit([1] * 60, 5)  # 64 tokens: fits
 
