@@ -139,8 +139,9 @@ for s in $STAGES; do
     serve-http)
       # HTTP_SWITCH_S sets sys.setswitchinterval in the bench and the server (a sitecustomize
       # on PYTHONPATH): how long a thread that wants the GIL waits before it asks the holder.
+      # HTTP_ARGS passes options (e.g. --engine-in-process), HTTP_TAG names the run's files.
       stage "bench/serve_http.py${HTTP_SWITCH_S:+ (switch interval $HTTP_SWITCH_S s)}"
-      tag=serve_http${HTTP_SWITCH_S:+_switch$HTTP_SWITCH_S} pp=${PYTHONPATH:-}
+      tag=serve_http${HTTP_SWITCH_S:+_switch$HTTP_SWITCH_S}${HTTP_TAG:+_$HTTP_TAG} pp=${PYTHONPATH:-}
       if [ -n "${HTTP_SWITCH_S:-}" ]; then
         mkdir -p /tmp/switch && echo "import sys; sys.setswitchinterval($HTTP_SWITCH_S)" > /tmp/switch/sitecustomize.py
         pp=/tmp/switch${pp:+:$pp}

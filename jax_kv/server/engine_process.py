@@ -13,8 +13,9 @@ holds a CUDA context):
 - parent -> engine: ("submit", id, ids, max_new, sampling, stop strings, stop ids),
   ("cancel", id), ("warm_up",), ("shutdown", drain, timeout), ("close",).
 - engine -> parent: ("hello", info) once built (or ("error", message) and exit);
-  ("out", [(id, [Delta...] | Completion)...], snapshot, submits received) once per delivery,
-  i.e. once per engine step; ("ack", what, error message or None); ("failed", message).
+  ("out", [(id, [Delta...] | Completion)...], snapshot, submits received) at each delivery
+  (beside the next call) and after each step (its counters); ("ack", what, error message or
+  None); ("failed", message).
 
 A request is checked in the parent by the engine's own RequestLimits (the model the parent
 holds has the tokenizer and config, no weights), so every refusal (400, 429, 503) is known at
@@ -305,7 +306,7 @@ class _EngineSide:
                 except BaseException as error:  # noqa: BLE001 - _fail ended every request
                     self.flush()
                     self.conn.send(("failed", f"{type(error).__name__}: {error}"))
-            self.flush()
+                self.flush(always=True)  # the step's counters, with what it delivered last
             if self.draining:
                 if self.drain_deadline is not None and time.monotonic() > self.drain_deadline:
                     for request, _ in self.requests.values():
@@ -352,10 +353,13 @@ class _EngineSide:
         except Exception as error:  # noqa: BLE001 - reported to the caller
             self.conn.send(("ack", what, f"{type(error).__name__}: {error}"))
             return
+        self.flush(always=True)  # the counters after it (a warm-up's steps deliver nothing)
         self.conn.send(("ack", what, None))
 
-    def flush(self) -> None:
-        if not self.changed:
+    def flush(self, always: bool = False) -> None:
+        """Sends the tokens and endings delivered since the last flush, with the engine's
+        snapshot (always: even when none were)."""
+        if not self.changed and not always:
             return
         items: list[tuple[str, Any]] = []
         for rid in dict.fromkeys(self.changed):
