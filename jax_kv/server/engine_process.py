@@ -13,9 +13,9 @@ holds a CUDA context):
 - parent -> engine: ("submit", id, ids, max_new, sampling, stop strings, stop ids),
   ("cancel", id), ("warm_up",), ("shutdown", drain, timeout), ("close",).
 - engine -> parent: ("hello", info) once built (or ("error", message) and exit);
-  ("out", [(id, [Delta...] | Completion)...], snapshot, submits received) at each delivery
-  (beside the next call) and after each step (its counters); ("ack", what, error message or
-  None); ("failed", message).
+  ("out", [(id, [Delta...] | Completion)...], snapshot or None, submits received) at each
+  delivery (beside the next call; no snapshot) and after each step (with its counters);
+  ("ack", what, error message or None); ("failed", message).
 
 A request is checked in the parent by the engine's own RequestLimits (the model the parent
 holds has the tokenizer and config, no weights), so every refusal (400, 429, 503) is known at
@@ -230,7 +230,8 @@ class EngineProcess:
             if kind == "out":
                 _, items, snapshot, received = message
                 with self._lock:
-                    self._snapshot, self._received = snapshot, received
+                    if snapshot is not None:  # the waiting count holds the submits received
+                        self._snapshot, self._received = snapshot, received
                     ended = [rid for rid, item in items if isinstance(item, Completion)]
                     found = {rid: self._requests.get(rid) for rid, _ in items}
                     for rid in ended:
@@ -357,8 +358,8 @@ class _EngineSide:
         self.conn.send(("ack", what, None))
 
     def flush(self, always: bool = False) -> None:
-        """Sends the tokens and endings delivered since the last flush, with the engine's
-        snapshot (always: even when none were)."""
+        """Sends the tokens and endings delivered since the last flush; with always (after a
+        step: outside the call's time), also when none were, with the engine's snapshot."""
         if not self.changed and not always:
             return
         items: list[tuple[str, Any]] = []
@@ -373,7 +374,10 @@ class _EngineSide:
             else:
                 self.requests[rid] = (request, sent + len(deltas))
         self.changed.clear()
-        self.conn.send(("out", items, self.engine.snapshot(), self.received))
+        # The snapshot (a copy of the counters, sums over slots) only after a step: beside a
+        # call it would take host time from the next one's preparation.
+        snapshot = self.engine.snapshot() if always else None
+        self.conn.send(("out", items, snapshot, self.received))
 
 
 def _engine_main(conn: Any, make_engine: Callable[[], Engine]) -> None:
