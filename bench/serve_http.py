@@ -319,7 +319,8 @@ def main() -> None:
            "--dtype", dtype]  # fmt: skip
     if stub:
         stub_args = (args.stub_device_ms, args.stub_token_us, args.stub_dispatch_us, port,
-                     args.max_slots, args.max_len, args.chunk, int(args.engine_in_process))  # fmt: skip
+                     args.max_slots, args.max_len, args.chunk,
+                     int(args.engine_in_process))  # fmt: skip
         cmd = [sys.executable, __file__, "--serve-stub", *map(str, stub_args)]
     elif args.random_weights:
         cmd += ["--random-weights", args.random_weights]

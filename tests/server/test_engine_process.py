@@ -18,6 +18,7 @@ from jax_kv.decode.sampling import Sampling
 from jax_kv.engine import FINISH_CANCELLED, FINISH_ERROR, EngineError, QueueFull
 from jax_kv.server.engine_process import EngineProcess
 
+
 def tiny_model():
     m = jm.random_model("tiny-llama", seed=7)
     return dataclasses.replace(m, tokenizer=CharTokenizer(), chat_template=CHAT_TEMPLATE)
