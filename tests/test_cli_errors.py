@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -400,3 +401,24 @@ def test_pipe_into_head(tiny):
     err = (cwd / "err.txt").read_text()
     assert p.stdout.startswith("w1 w2") and p.stdout.split(" rc=")[-1].strip() in ("0", "141")
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_serve_builds_the_engine_where_the_flag_says(monkeypatch):
+    """serve passes run() a picklable engine factory (the engine's process rebuilds it) and
+    engine_process=True unless --engine-in-process; the factory builds the Engine it was
+    given the arguments for."""
+    pytest.importorskip("uvicorn")
+    from jax_kv.server import main as server_main
+
+    seen = []
+    monkeypatch.setattr(server_main, "run", lambda make, **kw: seen.append((make, kw)) or 0)
+    args = ["serve", "--random-weights", "tiny-llama", "--max-slots", "3", "--max-len", "128"]
+    assert cli.main(args) == 0
+    assert cli.main([*args, "--engine-in-process"]) == 0
+    (factory, kw), (_, kw_thread) = seen
+    assert kw["engine_process"] is True and kw_thread["engine_process"] is False
+    assert kw["model_name"] == "random-tiny-llama"
+    factory = pickle.loads(pickle.dumps(factory))  # what the spawned process receives
+    with factory() as engine:
+        assert (engine.max_slots, engine.max_len) == (3, 128)
+        assert engine.model.config.num_layers == jm.preset("tiny-llama").num_layers
