@@ -223,7 +223,7 @@ def engine_summary(c: dict[str, float]) -> dict[str, float]:
         steps=c["engine_steps"], step_ms=c["engine_step_seconds"] / steps * 1e3,
         host_ms=c["engine_host_seconds"] / steps * 1e3, tokens=c["generation_tokens"],
         **{f"{part}_ms": c[f"engine_{part}_seconds"] / steps * 1e3
-           for part in ("dispatch", "beside", "wait")},
+           for part in ("dispatch", "beside", "wait", "deliver")},
     )  # fmt: skip
 
 
@@ -400,14 +400,16 @@ def main() -> None:
     )
     print(
         "\nThe engine's steps over the run (counters; the server's from /metrics), ms per step: "
-        "host outside the calls; a call's dispatch, work beside it, wait for its tokens"
+        "host outside the calls; a call's dispatch, work beside it, wait for its tokens; of the "
+        "host and beside time, the delivery of tokens to their requests"
     )
-    print("| engine | compiles | steps | ms/step | host | dispatch | beside | wait | tokens |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| engine | compiles | steps | ms/step | host | dispatch | beside | wait | deliver | "
+          "tokens |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, e in (("alone", alone), ("in the server", served)):
         print(f"| {name} | {e['compiles']:.0f} | {e['steps']:.0f} | {e['step_ms']:.2f} | "
               f"{e['host_ms']:.2f} | {e['dispatch_ms']:.2f} | {e['beside_ms']:.2f} | "
-              f"{e['wait_ms']:.2f} | {e['tokens']:.0f} |")  # fmt: skip
+              f"{e['wait_ms']:.2f} | {e['deliver_ms']:.2f} | {e['tokens']:.0f} |")  # fmt: skip
     print(
         f"The server's threads over the {http_s:.2f} s run: event loop {loop_cpu:.2f} CPU s "
         f"({loop_cpu / http_s:.0%} of the run, {loop_cpu / max(http_tokens, 1) * 1e6:.0f} us per "

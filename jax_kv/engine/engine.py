@@ -120,6 +120,9 @@ class EngineStats:
     # and the wait for its tokens after that work (the device's remainder, and the copy).
     dispatch_seconds: float = 0.0
     wait_seconds: float = 0.0
+    # Handing tokens and endings to their requests (Engine._deliver: waiters, listeners, and
+    # on_delivered), wherever it ran: beside a call (inside beside_seconds) or after it.
+    deliver_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1306,6 +1309,16 @@ class Engine:
         raised: the step fails, and _fail delivers them `robust`ly, each one whatever the
         listeners raise (then raising the first interrupt among those, if any)."""
         outbox, self._outbox = self._outbox, []
+        if not outbox:
+            return 0
+        t0 = time.perf_counter()
+        try:
+            return self._hand_over_outbox(outbox, robust)
+        finally:
+            self.stats.deliver_seconds += time.perf_counter() - t0
+
+    def _hand_over_outbox(self, outbox: list[tuple[Request, Delta | Completion]],
+                          robust: bool) -> int:  # fmt: skip
         interrupt: BaseException | None = None
         for i, (request, item) in enumerate(outbox):
             try:
@@ -1319,7 +1332,7 @@ class Engine:
                     raise
                 if interrupt is None and not isinstance(error, Exception):
                     interrupt = error
-        if outbox and self.on_delivered is not None:
+        if self.on_delivered is not None:
             self.on_delivered()
         if interrupt is not None:
             raise interrupt

@@ -44,6 +44,10 @@ def engine_counters(s: Any) -> dict[str, tuple[str, float]]:
             "Calls' time waiting for their tokens after that work",
             s.wait_seconds,
         ),
+        "engine_deliver_seconds": (
+            "Time handing tokens to their requests (beside a call or after it)",
+            s.deliver_seconds,
+        ),
     }
 
 

@@ -179,6 +179,9 @@ def test_metrics_carry_the_engines_compiles_and_step_times(server):
     assert all(p > 0 for p in parts)
     # A call's three parts are its time: the step's time less what lay outside the calls.
     assert sum(parts) == pytest.approx(step_s - host_s, rel=1e-6, abs=1e-6)
+    # The deliveries (listeners: the event loop's wake-ups) ran beside calls or after them.
+    deliver_s = values["jax_kv_engine_deliver_seconds_total"]
+    assert deliver_s == s.deliver_seconds and 0 < deliver_s <= s.beside_seconds + host_s
 
 
 def test_a_closed_stream_frees_its_slot(server):
