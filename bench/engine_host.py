@@ -42,6 +42,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--no-prefix", action="store_true", help="the prefix cache off")
+    ap.add_argument(
+        "--prefix-cache-bytes",
+        type=int,
+        default=None,
+        help="Engine(prefix_cache_bytes=N): the most bytes of blocks no request maps",
+    )
     ap.add_argument("--decode-only", action="store_true", help="100-token prompts, 400 out")
     ap.add_argument("--profile", action="store_true", help="cProfile the steps (top 25)")
     ap.add_argument(
@@ -74,7 +80,8 @@ def main() -> None:
     arena = host_arena(reserve_bytes=max(20 << 30, args.slots * 64 * 32768 * 64 * 5 // 2),
                        granule=64 << 10)  # fmt: skip
     eng = Engine(model, max_slots=args.slots, max_len=32768, prefill_chunk_tokens=512,
-                 arena=arena, prefix_cache=not args.no_prefix)  # fmt: skip
+                 arena=arena, prefix_cache=not args.no_prefix,
+                 prefix_cache_bytes=args.prefix_cache_bytes)  # fmt: skip
     print(f"engine built in {time.perf_counter() - t0:.2f} s", flush=True)
     rng = np.random.default_rng(0)
     B, n = eng.max_slots, args.requests

@@ -417,18 +417,28 @@ class SlotCache:
         into it (hand_over's condition)."""
         return not self.slot_shared[b] and not self.slot_cached[b]
 
+    def links_within(self, b: int, tokens: int) -> tuple[bool, list[int]]:
+        """Slot b's links to the prefix store among the granules `tokens` tokens take (the
+        ones hand_over keeps): whether it maps store blocks there, and the store blocks it
+        wrote there (the store holds them)."""
+        keep = min(int(self.granules[b]), self.granules_for(tokens))
+        blocks = -(-keep // self.block_granules) if self.block_granules else 0
+        wrote = [s for k, s in self.slot_cached[b].items() if k < blocks]
+        return keep > 0 and bool(self.slot_shared[b]), wrote
+
     def hand_over(self, b: int, tokens: int) -> int:
-        """Gives slot b, as it is, to a new request that needs `tokens` tokens: the granules
-        those take stay mapped (no unmap, no map, no zero fill: ~7 driver calls per granule
-        and binding saved against release_slot then ensure_slot), the rest are released.
-        Where the prefix store holds or maps some of its granules (they hold the old request's
-        tokens, cached), the granules the new request takes are replaced in place by fresh
-        ones instead (VmmArena.recommit: no zero granule mapped between, ~3 calls per granule
-        and binding saved), and the slot's store mappings are dropped as release_slot drops
-        them. Returns the bytes freed (negative where fresh granules were committed). The old
-        request's bytes past the new one's tokens stay until it writes them: the ops never
-        read past a row's length. No step may be in flight that reads or writes slot b: as
-        for release_slot, the device is synchronized first (once), except inside beside_step().
+        """Gives slot b, as it is, to a new request that needs `tokens` tokens: the granules those
+        take stay mapped (no unmap, no map, no zero fill: ~7 driver calls per granule and binding
+        saved against release_slot then ensure_slot), the rest are released. Where the prefix store
+        holds or maps some of its granules (they hold the old request's tokens, cached), the
+        granules the new request takes are replaced in place by fresh ones instead
+        (VmmArena.recommit: no zero granule mapped between, ~3 calls per granule and binding saved),
+        and the slot's store mappings are dropped as release_slot drops them; links past those
+        granules (links_within) leave the kept ones in place. Returns the bytes freed (negative
+        where fresh granules were committed). The old request's bytes past the new one's tokens stay
+        until it writes them: the ops never read past a row's length. No step may be in flight that
+        reads or writes slot b: as for release_slot, the device is synchronized first (once), except
+        inside beside_step().
 
         Raises:
             CapacityError: tokens > max_len.
@@ -440,7 +450,8 @@ class SlotCache:
         self._check_tokens("hand_over", b, tokens)
         held = int(self.granules[b])
         keep = min(held, self.granules_for(tokens))
-        owned = self.owns_all(b)
+        shared, wrote = self.links_within(b, tokens)
+        in_place = not shared and not wrote  # the granules kept hold no store block
         own = held - self._drop_store_links(b)
         self.lengths[b] = 0
         self.granules[b] = keep
@@ -454,7 +465,7 @@ class SlotCache:
                     synchronize=synchronize,
                 )
                 synchronize = False
-            if not owned and keep:
+            if not in_place and keep:
                 try:
                     self.arena.recommit(
                         [(r, base, base + keep * g) for r in self.regions], synchronize=synchronize

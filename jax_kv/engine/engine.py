@@ -108,6 +108,9 @@ class EngineStats:
     # them (what _plan_ahead and the commits ahead move beside the calls).
     planning_commits: int = 0
     slots_handed_over: int = 0  # ended requests' slots given to the next with their granules
+    # Partial blocks an ended request wrote in the granules its slot's next request takes,
+    # evicted so the slot could be handed over in place (PrefixCache.evict_partials).
+    hand_over_evictions: int = 0
     release_beside_step_seconds: float = 0.0  # inside the calls' time, not host_seconds
     commit_ahead_seconds: float = 0.0  # the commits ahead's time, inside the calls' time too
     beside_seconds: float = 0.0  # all the work done while calls ran (Engine._call)
@@ -132,7 +135,8 @@ class EngineSnapshot:
 
     stats: EngineStats
     running: int
-    waiting: int
+    waiting: int  # queued, preempted ones included
+    queued: int  # waiting and never admitted: what max_queue bounds
     # KV bytes: the cache's committed, held and live bytes and the prefix blocks no request
     # maps (None once the cache is closed).
     kv: dict[str, int] | None
@@ -576,7 +580,7 @@ class Engine:
                 raise EngineError(f"the engine failed: {self._failure}") from self._failure
             if not self._accepting:
                 raise EngineError("the engine is shutting down: it accepts no new requests")
-            waiting = sum(1 for s in self._queue if s.admitted < 0)  # preempted ones not counted
+            waiting = self._queued_new()
             if waiting >= self.max_queue:
                 raise QueueFull(
                     f"submit: the queue is full ({waiting} requests waiting, max_queue="
@@ -603,7 +607,18 @@ class Engine:
             prefill_buckets=list(self.stats.prefill_buckets),
         )
         prefix = None if self.prefix is None else dataclasses.replace(self.prefix.stats)
-        return EngineSnapshot(stats, self.num_running, self.num_waiting, kv, prefix)
+        with self._lock:
+            waiting, queued = len(self._queue), self._queued_new()
+        return EngineSnapshot(stats, self.num_running, waiting, queued, kv, prefix)
+
+    def _queued_new(self) -> int:
+        """Queued requests never admitted (preempted ones wait too, uncounted). Under _lock."""
+        return sum(1 for s in self._queue if s.admitted < 0)
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The error that stopped the engine (a step raised), or None."""
+        return self._failure
 
     @property
     def num_running(self) -> int:
@@ -768,12 +783,20 @@ class Engine:
                 first = min(seq.prefill_target, room)
                 # Its granules serve the head as they are (SlotCache.hand_over), or fresh ones
                 # replace them in place where the prefix store keeps the old request's blocks
-                # (then only if the memory is there: no eviction for it).
+                # (then only if the memory is there: no eviction for it). The partial block
+                # the old request ended in is evicted instead where nothing maps it: the slot
+                # is then reused as it is, no driver call, where keeping the block costs a
+                # fresh granule per binding (4 driver calls each); it would serve only a
+                # request continuing the old one, and the head is not one (no hit).
+                if not hits and partial is None and self.prefix is not None:
+                    _, wrote = self.cache.links_within(b, first)
+                    self.stats.hand_over_evictions += self.prefix.evict_partials(wrote)
+                shared, wrote = self.cache.links_within(b, first)
                 if (
                     hits
                     or partial is not None
                     or not (
-                        self.cache.owns_all(b)
+                        not (shared or wrote)
                         or self.cache.bytes_for(first) <= self.cache.available_bytes()
                     )
                 ):

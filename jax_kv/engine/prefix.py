@@ -180,6 +180,19 @@ class PrefixCache:
         self._drop(victim)
         return True
 
+    def evict_partials(self, stores: list[int]) -> int:
+        """Evicts those of the store blocks `stores` (one slot wrote them) that are partial
+        blocks no slot maps, so that the slot's granules can be reused in place; returns how
+        many. A partial block is a request's own tail, of use only to a request continuing
+        that one; a full block may start many (a system prompt) and is kept."""
+        dropped = 0
+        for s in stores:
+            block = self.by_store.get(s)
+            if block is not None and block.partial and self._evictable(block):
+                self._drop(block)
+                dropped += 1
+        return dropped
+
     def evict_for(self, nbytes: int) -> int:
         """Evicts least recently used blocks no slot maps until `nbytes` of physical memory
         are freed (or none is left to evict); returns the bytes freed. Blocks whose slot still

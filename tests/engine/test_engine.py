@@ -589,11 +589,12 @@ def test_a_queued_request_takes_an_ended_slots_granules_as_they_are(model, gener
 def test_a_queued_request_takes_an_ended_slot_whose_blocks_the_prefix_store_keeps(
     model, generator, rng, engine
 ):
-    """With the prefix cache on, an ended request's slot holds blocks the store keeps (its
-    partial block at least). A queued request given that slot gets fresh granules in place of
-    them (SlotCache.hand_over through VmmArena.recommit: no zero granule mapped between);
-    tokens are unchanged, the store's blocks still serve a later request that shares them,
-    and the driver makes fewer calls than for the same requests each taking a released slot."""
+    """With the prefix cache on, an ended request's slot holds blocks the store keeps (full
+    blocks here: 16 tokens each). A queued request given that slot gets fresh granules in
+    place of them (SlotCache.hand_over through VmmArena.recommit: no zero granule mapped
+    between); tokens are unchanged, the store's blocks still serve a later request that shares
+    them, and the driver makes fewer calls than for the same requests each taking a released
+    slot."""
     if engine.kind != "host":
         pytest.skip("the prefix cache needs a VmmArena")
     ps = prompts(rng, model, [40, 30, 35])
@@ -620,3 +621,36 @@ def test_a_queued_request_takes_an_ended_slot_whose_blocks_the_prefix_store_keep
                 for c in ("map_calls", "unmap_calls", "zero_map_calls", "zero_access_calls")
             )
     assert runs[True] < runs[False], runs
+
+
+def test_a_queued_request_reuses_an_ended_slot_in_place_after_its_partial_block(
+    model, generator, rng, engine
+):
+    """With the prefix cache on, the partial block an ended request wrote (its own tail: of
+    use only to a request continuing it) is evicted when a queued request that does not
+    continue it takes the slot, and the slot's granules serve the new request as they are:
+    no map call, as with the prefix cache off. Tokens are unchanged; a later continuation of
+    the first request finds no cached tail and prefills it, with the same tokens."""
+    if engine.kind != "host":
+        pytest.skip("the prefix cache needs a VmmArena")
+    ps = prompts(rng, model, [8, 6, 7])  # with their 6 tokens, inside one 16-token block
+    maps = {}
+    for prefix in (True, False):
+        with engine(model, max_slots=1, prefix_cache=prefix) as eng:
+            before = eng.cache.arena.stats().map_calls
+            reqs = submit_queued_or_one_by_one(eng, ps, 6, True)
+            for p, r in zip(ps, reqs, strict=True):
+                assert r.result().tokens == alone(generator, p, 6)
+            maps[prefix] = eng.cache.arena.stats().map_calls - before
+            assert eng.stats.slots_handed_over == 2
+            assert eng.stats.hand_over_evictions == (2 if prefix else 0)
+            assert idle(eng.cache)
+            eng.check_memory()
+            if prefix:
+                turn = ps[0] + reqs[0].result().tokens + prompts(rng, model, [5])[0]
+                hits = eng.prefix.stats.hit_tokens
+                again = eng.submit(turn, 4, stop_token_ids=[])
+                eng.run_until_idle()
+                assert eng.prefix.stats.hit_tokens == hits  # its tail went with the slot
+                assert again.result().tokens == alone(generator, turn, 4)
+    assert maps[True] == maps[False] > 0, maps
