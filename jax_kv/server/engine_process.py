@@ -25,10 +25,13 @@ requests plus the submits it has not yet received: an upper bound of what it hol
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import itertools
 import multiprocessing
 import queue
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -93,10 +96,12 @@ class EngineProcess:
         self._lock = threading.Lock()
         self._requests: dict[str, Request] = {}  # guarded by _lock
         self._submits = self._received = 0  # sent / received by the engine; under _lock
-        self._accepting = True
+        self._accepting = True  # under _lock
         self._failure: EngineError | None = None
         self._closed = self._gone = False
-        self._acks: queue.SimpleQueue[tuple[str, str | None]] = queue.SimpleQueue()
+        # Calls waiting for their acknowledgement, by call id (each its own answer).
+        self._calls: dict[int, concurrent.futures.Future[None]] = {}  # guarded by _lock
+        self._call_ids = itertools.count()
         self._outgoing: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="jax_kv-engine-send",
                                         daemon=True)  # fmt: skip
@@ -117,7 +122,9 @@ class EngineProcess:
         stop_token_ids: Iterable[int] | None = None,
         request_id: str | None = None,
     ) -> Request:
-        """Engine.submit, across the pipe: checked here, queued for the engine."""
+        """Engine.submit, across the pipe: checked here, queued for the engine. Raises as it
+        does, and ValueError for a request_id of a request still running (the wire names
+        requests by id)."""
         ids, max_new, sampling, stops, stop_ids = self.limits.check(
             self.model, prompt, max_new_tokens, sampling, stop, stop_token_ids
         )
@@ -126,7 +133,9 @@ class EngineProcess:
                 raise EngineError(str(self._failure)) from self._failure
             if not self._accepting:
                 raise EngineError("the engine is shutting down: it accepts no new requests")
-            waiting = self._snapshot.waiting + self._submits - self._received
+            if request_id is not None and request_id in self._requests:
+                raise ValueError(f"request_id: {request_id!r} names a request still running")
+            waiting = self._snapshot.queued + self._submits - self._received
             if waiting >= self.max_queue:
                 raise QueueFull(
                     f"submit: the queue is full ({waiting} requests waiting, max_queue="
@@ -145,7 +154,7 @@ class EngineProcess:
 
     @property
     def stats(self) -> Any:
-        """The engine's EngineStats as of its last delivery."""
+        """The engine's EngineStats as of its last step."""
         return self._snapshot.stats
 
     def snapshot(self) -> Any:
@@ -164,24 +173,43 @@ class EngineProcess:
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Engine.shutdown: stops accepting; with drain the running and queued requests
         finish (after `timeout` s the rest are cancelled), else they are cancelled."""
-        self._accepting = False
-        if self._failure is None:
+        with self._lock:
+            self._accepting = False
+        if self._failure is None and not self._gone:
             self._call("shutdown", drain, timeout)
 
     def close(self) -> None:
-        """Shuts down without draining, frees the engine's cache and ends its process."""
+        """Shuts down without draining, frees the engine's cache and ends its process (killed
+        if it does not answer within _JOIN_S); every request still running then ends, with
+        an error if the process could not end it. Raises the engine's error from closing, if
+        any, after all that."""
         if self._closed:
             return
         self._closed = True
-        self._accepting = False
-        if not self._gone:
-            self._call("close")  # a failed engine's cache is freed there too
-        self._outgoing.put(None)
-        self._process.join(_JOIN_S)
-        if self._process.is_alive():
-            self._process.kill()
+        with self._lock:
+            self._accepting = False
+        error: EngineError | None = None
+        try:
+            if not self._gone:
+                self._call("close", timeout=_JOIN_S)
+        except EngineError as e:
+            error = e
+        finally:
+            self._outgoing.put(None)
             self._process.join(_JOIN_S)
-        self._conn.close()
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(_JOIN_S)
+            self._conn.close()  # the receiver's read ends: it ends what is left (_lost)
+            self._receiver.join(_JOIN_S)
+            self._sender.join(_JOIN_S)
+        if error is not None and not self._gone_by_close(error):
+            raise error
+
+    def _gone_by_close(self, error: EngineError) -> bool:
+        # The engine's process exited while closing (its requests were ended with an error
+        # by _lost): nothing more to report than that.
+        return "exited" in str(error)
 
     def __enter__(self) -> EngineProcess:
         return self
@@ -194,22 +222,22 @@ class EngineProcess:
     def _cancel(self, request: Request) -> None:
         self._outgoing.put(("cancel", request.id))
 
-    def _call(self, what: str, *args: Any) -> None:
-        """Sends `what` and waits for the engine's acknowledgement."""
-        if self._gone:
-            raise EngineError(f"{what}: {self._failure}")
-        self._outgoing.put((what, *args))
-        while True:
-            try:
-                done, error = self._acks.get(timeout=1.0)
-                break
-            except queue.Empty:
-                if self._gone:
-                    raise EngineError(f"{what}: {self._failure}") from None
-        if done == "lost":
-            raise EngineError(f"{what}: {self._failure}")
-        if error is not None:
-            raise EngineError(f"{what}: {error}")
+    def _call(self, what: str, *args: Any, timeout: float | None = None) -> None:
+        """Sends `what` and waits for its acknowledgement (at most `timeout` s)."""
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._lock:
+            if self._gone:
+                raise EngineError(f"{what}: {self._failure}")
+            call = next(self._call_ids)
+            self._calls[call] = future
+        self._outgoing.put(("call", call, what, *args))
+        try:
+            future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise EngineError(f"{what}: the engine process did not answer in {timeout} s") from None
+        finally:
+            with self._lock:
+                self._calls.pop(call, None)
 
     def _send_loop(self) -> None:
         # The event loop only queues: a pipe full while the engine runs a step would block it.
@@ -217,7 +245,29 @@ class EngineProcess:
             try:
                 self._conn.send(message)
             except (OSError, ValueError):
-                return  # the receiver sees the engine gone and ends every request
+                return  # the pipe is closed: the receiver ends every request (_lost)
+            except Exception as error:  # noqa: BLE001 - a message that does not pickle
+                self._refuse(message, error)
+
+    def _refuse(self, message: tuple, error: BaseException) -> None:
+        """A message that could not be sent: its request or call ends with the error."""
+        failure = EngineError(f"{message[0]}: could not be sent ({error})")
+        if message[0] == "submit":
+            with self._lock:
+                request = self._requests.pop(message[1], None)
+            if request is not None:
+                self._end(request, failure)
+        elif message[0] == "call":
+            with self._lock:
+                future = self._calls.get(message[1])
+            if future is not None and not future.done():
+                future.set_exception(failure)
+
+    @staticmethod
+    def _end(request: Request, error: BaseException) -> None:
+        completion = Completion(request.id, len(request.prompt_ids), [], None, FINISH_ERROR,
+                                error)  # fmt: skip
+        _deliver_safely(request._finish, completion)
 
     def _receive_loop(self) -> None:
         while True:
@@ -241,30 +291,47 @@ class EngineProcess:
                     if request is None:
                         continue
                     if isinstance(item, Completion):
-                        request._finish(item)
+                        _deliver_safely(request._finish, item)
                     else:
-                        request._push(item)
+                        _deliver_safely(request._push, item)
             elif kind == "ack":
-                self._acks.put((message[1], message[2]))
+                _, call, error = message
+                with self._lock:
+                    future = self._calls.get(call)
+                if future is not None and not future.done():
+                    if error is None:
+                        future.set_result(None)
+                    else:
+                        future.set_exception(EngineError(error))
             elif kind == "failed":
                 self._failure = EngineError(f"the engine failed: {message[1]}")
 
     def _lost(self) -> None:
-        """The engine's process is gone: every request it held ends with an error."""
+        """The engine's process is gone (or its pipe closed): every request and call still
+        waiting ends with an error."""
         self._process.join(1.0)
-        self._gone = True
-        if self._closed:
-            return  # closed on purpose
-        error = EngineError(
-            f"the engine process exited (code {self._process.exitcode}) with requests running"
-        )
-        if self._failure is None:
-            self._failure = error
+        error = EngineError(f"the engine process exited (code {self._process.exitcode})")
         with self._lock:
+            self._gone = True
+            if self._failure is None:
+                self._failure = error
             pending, self._requests = list(self._requests.values()), {}
-        for r in pending:
-            r._finish(Completion(r.id, len(r.prompt_ids), [], None, FINISH_ERROR, error))
-        self._acks.put(("lost", None))
+            calls = list(self._calls.values())
+        for request in pending:
+            self._end(request, error)
+        for future in calls:
+            if not future.done():
+                future.set_exception(error)
+
+
+def _deliver_safely(deliver: Callable[[Any], None], item: Any) -> None:
+    """Hands an item to a request; a listener that raises (an event loop already closed) is
+    reported, and the other requests are still served."""
+    try:
+        deliver(item)
+    except BaseException as error:  # noqa: BLE001 - one listener must not stop the receiver
+        print(f"jax_kv: a request's listener raised {type(error).__name__}: {error}",
+              file=sys.stderr)  # fmt: skip
 
 
 # -- the engine's side ----------------------------------------------------------------------
@@ -280,7 +347,8 @@ def _portable(completion: Completion) -> Completion:
 
 class _EngineSide:
     """The engine's process: one thread that reads the pipe between steps and steps while
-    there is work; each step's tokens go to the parent in one message (Engine.on_delivered)."""
+    there is work; each delivery's tokens go to the parent in one message (Engine.
+    on_delivered), each step's counters after it."""
 
     def __init__(self, conn: Any, engine: Engine) -> None:
         self.conn, self.engine = conn, engine
@@ -288,14 +356,15 @@ class _EngineSide:
         self.changed: list[str] = []
         self.received = 0
         self.drain_deadline: float | None = None
-        self.draining = self.closing = False
+        self.shutdown_call: int | None = None  # acknowledged once drained
+        self.closing = self.failure_sent = False
         engine.on_delivered = self.flush
 
     def run(self) -> None:
         engine = self.engine
         while not self.closing:
             busy = engine.has_work()
-            wait = 0 if busy else (0.05 if self.draining else None)
+            wait = 0 if busy else (0.05 if self.shutdown_call is not None else None)
             while self.conn.poll(wait):
                 self.handle(self.conn.recv())
                 wait = 0
@@ -304,18 +373,18 @@ class _EngineSide:
             if engine.has_work():
                 try:
                     engine._step(defer_delivery=True)
-                except BaseException as error:  # noqa: BLE001 - _fail ended every request
-                    self.flush()
-                    self.conn.send(("failed", f"{type(error).__name__}: {error}"))
+                except BaseException:  # noqa: BLE001 - _fail ended every request with it
+                    pass
                 self.flush(always=True)  # the step's counters, with what it delivered last
-            if self.draining:
+                self.report_failure()
+            if self.shutdown_call is not None:
                 if self.drain_deadline is not None and time.monotonic() > self.drain_deadline:
                     for request, _ in self.requests.values():
                         request.cancel()
                     self.drain_deadline = None
                 if not engine.has_work():
-                    self.draining = False
-                    self.conn.send(("ack", "shutdown", None))
+                    self.conn.send(("ack", self.shutdown_call, None))
+                    self.shutdown_call = None
 
     def handle(self, message: tuple) -> None:
         kind, engine = message[0], self.engine
@@ -336,26 +405,48 @@ class _EngineSide:
             found = self.requests.get(message[1])
             if found is not None:
                 found[0].cancel()
-        elif kind == "warm_up":
-            self.ack("warm_up", engine.warm_up)
-        elif kind == "shutdown":
-            _, drain, timeout = message
-            engine.shutdown(drain=drain)  # no driver thread: stops accepting (cancels all)
-            self.draining = True
-            self.drain_deadline = None if timeout is None else time.monotonic() + timeout
-        elif kind == "close":
-            self.flush()
-            self.ack("close", engine.close)
-            self.closing = True
+        elif kind == "call":
+            self.call(message[1], message[2], *message[3:])
 
-    def ack(self, what: str, run: Callable[[], None]) -> None:
+    def call(self, call: int, what: str, *args: Any) -> None:
+        """Runs a call (warm_up, shutdown, close) and acknowledges it with its error, if any;
+        a shutdown that drains is acknowledged by run() once no work is left."""
+        engine = self.engine
         try:
-            run()
+            if what == "warm_up":
+                engine.warm_up()
+            elif what == "shutdown":
+                drain, timeout = args
+                engine.shutdown(drain=drain)  # no driver thread: stops accepting (cancels all)
+                if self.shutdown_call is not None:  # an earlier shutdown: answered with this
+                    self.conn.send(("ack", self.shutdown_call, None))
+                self.shutdown_call = call
+                self.drain_deadline = None if timeout is None else time.monotonic() + timeout
+                return
+            elif what == "close":
+                self.closing = True
+                self.flush()
+                engine.close()
+            else:
+                raise ValueError(f"unknown call {what!r}")
         except Exception as error:  # noqa: BLE001 - reported to the caller
-            self.conn.send(("ack", what, f"{type(error).__name__}: {error}"))
+            self.flush(always=not self.closing)
+            self.report_failure()
+            self.conn.send(("ack", call, f"{type(error).__name__}: {error}"))
             return
-        self.flush(always=True)  # the counters after it (a warm-up's steps deliver nothing)
-        self.conn.send(("ack", what, None))
+        finally:
+            if what == "close":
+                self.flush()  # the endings close() gave the requests still running
+        if not self.closing:
+            self.flush(always=True)  # the counters after it (a warm-up delivers nothing)
+        self.conn.send(("ack", call, None))
+
+    def report_failure(self) -> None:
+        """Tells the parent once that the engine failed (a step raised, in a call too)."""
+        failure = self.engine.failure
+        if failure is not None and not self.failure_sent:
+            self.failure_sent = True
+            self.conn.send(("failed", f"{type(failure).__name__}: {failure}"))
 
     def flush(self, always: bool = False) -> None:
         """Sends the tokens and endings delivered since the last flush; with always (after a
@@ -364,7 +455,10 @@ class _EngineSide:
             return
         items: list[tuple[str, Any]] = []
         for rid in dict.fromkeys(self.changed):
-            request, sent = self.requests[rid]
+            found = self.requests.get(rid)
+            if found is None:
+                continue
+            request, sent = found
             deltas, completion = request.deltas_from(sent)
             if deltas:
                 items.append((rid, deltas))
