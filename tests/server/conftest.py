@@ -41,10 +41,21 @@ class _Encoding:
     ids: list
 
 
-@pytest.fixture(scope="session")
-def tiny_model():
+def chat_model():
+    """The tiny model with the character tokenizer and the chat template (module level: an
+    engine's spawned process builds it too, from the factories of the engine-process tests)."""
     m = jm.random_model("tiny-llama", seed=7)
     return dataclasses.replace(m, tokenizer=CharTokenizer(), chat_template=CHAT_TEMPLATE)
+
+
+def chat_engine(**kw):
+    """make_engine on chat_model(): what an EngineProcess of the tests builds."""
+    return make_engine(chat_model(), **kw)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return chat_model()
 
 
 def free_port() -> int:

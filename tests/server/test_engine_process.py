@@ -3,7 +3,6 @@ refusals as the Engine in this process, cancellation that frees memory, and no r
 when the engine's process dies. The engines are built in spawned processes from the module-
 level factories below (what a spawned process can import)."""
 
-import dataclasses
 import functools
 import json
 import os
@@ -11,21 +10,13 @@ import signal
 import time
 
 import pytest
-from conftest import CHAT_TEMPLATE, MODEL_NAME, CharTokenizer, make_engine, request, running
+from conftest import MODEL_NAME, chat_engine, request, running
 
-import jax_kv.models as jm
 from jax_kv.decode.sampling import Sampling
 from jax_kv.engine import FINISH_CANCELLED, FINISH_ERROR, EngineError, QueueFull
 from jax_kv.server.engine_process import EngineProcess
 
-
-def tiny_model():
-    m = jm.random_model("tiny-llama", seed=7)
-    return dataclasses.replace(m, tokenizer=CharTokenizer(), chat_template=CHAT_TEMPLATE)
-
-
-def tiny_engine(**kw):
-    return make_engine(tiny_model(), **kw)
+tiny_engine = chat_engine
 
 
 def failing_engine():

@@ -4,7 +4,6 @@ the code reviewed (tree aa73f70) and passes after the fixes. The engines are bui
 processes from the module-level factories below (what a spawned process can import)."""
 
 import asyncio
-import dataclasses
 import functools
 import os
 import signal
@@ -12,9 +11,8 @@ import threading
 import time
 
 import pytest
-from conftest import CHAT_TEMPLATE, CharTokenizer, make_engine
+from conftest import chat_engine, chat_model, make_engine
 
-import jax_kv.models as jm
 import jax_kv.server.engine_process as engine_process
 from jax_kv.engine import EngineError, QueueFull
 from jax_kv.server.engine_process import EngineProcess
@@ -22,13 +20,7 @@ from jax_kv.server.engine_process import EngineProcess
 # -- factories (run in the engine's process) -------------------------------------------------
 
 
-def tiny_model():
-    m = jm.random_model("tiny-llama", seed=7)
-    return dataclasses.replace(m, tokenizer=CharTokenizer(), chat_template=CHAT_TEMPLATE)
-
-
-def tiny_engine(**kw):
-    return make_engine(tiny_model(), **kw)
+tiny_engine = chat_engine
 
 
 def engine_dying_in_close():
@@ -63,7 +55,7 @@ def engine_failing_steps():
 def engine_preempting():
     """2 slots, a KV budget of 14 granules (16 tokens each) per binding: two requests of 210
     tokens fit one at a time, so the younger is preempted half way and waits."""
-    m = tiny_model()
+    m = chat_model()
     c = m.config
     granule = 16 * c.num_kv_heads * c.head_dim * 4
     bindings = 2 * c.num_layers
