@@ -50,6 +50,10 @@ from jax_kv.engine import (
 _JOIN_S = 30.0
 
 
+class _EngineGone(EngineError):
+    """The engine's process exited (or its pipe closed) with work or a call pending."""
+
+
 def build_engine(load_model: Callable[[], Any], tp: int = 1, **engine_kwargs: Any) -> Engine:
     """An Engine on `load_model()`, its KV heads over the first `tp` devices: what runs where
     the engine lives (this process or the engine's)."""
@@ -203,13 +207,8 @@ class EngineProcess:
             self._conn.close()  # the receiver's read ends: it ends what is left (_lost)
             self._receiver.join(_JOIN_S)
             self._sender.join(_JOIN_S)
-        if error is not None and not self._gone_by_close(error):
-            raise error
-
-    def _gone_by_close(self, error: EngineError) -> bool:
-        # The engine's process exited while closing (its requests were ended with an error
-        # by _lost): nothing more to report than that.
-        return "exited" in str(error)
+        if error is not None and not isinstance(error, _EngineGone):
+            raise error  # the engine's own error from closing (its exit ends requests itself)
 
     def __enter__(self) -> EngineProcess:
         return self
@@ -227,7 +226,7 @@ class EngineProcess:
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         with self._lock:
             if self._gone:
-                raise EngineError(f"{what}: {self._failure}")
+                raise _EngineGone(f"{what}: {self._failure}")
             call = next(self._call_ids)
             self._calls[call] = future
         self._outgoing.put(("call", call, what, *args))
@@ -310,7 +309,7 @@ class EngineProcess:
         """The engine's process is gone (or its pipe closed): every request and call still
         waiting ends with an error."""
         self._process.join(1.0)
-        error = EngineError(f"the engine process exited (code {self._process.exitcode})")
+        error = _EngineGone(f"the engine process exited (code {self._process.exitcode})")
         with self._lock:
             self._gone = True
             if self._failure is None:
