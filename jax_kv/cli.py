@@ -266,7 +266,7 @@ def serve(args: argparse.Namespace) -> int:
     )  # fmt: skip
     return server_main.run(
         make_engine, model_name=name, host=args.host, port=args.port, api_key=args.api_key,
-        engine_process=not args.engine_in_process,
+        engine_process=not args.engine_in_process, tp=args.tp,
     )  # fmt: skip
 
 

@@ -66,8 +66,8 @@ def build_engine(load_model: Callable[[], Any], tp: int = 1, **engine_kwargs: An
 class EngineProcess:
     """An Engine built by `make_engine()` (a picklable callable: module-level function or a
     functools.partial of one) in a spawned process; this object stands for it in the server.
-    Construction waits until the engine is built and raises EngineError with its error if
-    building failed."""
+    Construction waits until the engine is built; if building failed it raises the error:
+    a ValueError as itself (a bad argument), any other as EngineError naming it."""
 
     def __init__(self, make_engine: Callable[[], Engine], *, start_timeout: float = 1800.0):
         ctx = multiprocessing.get_context("spawn")
@@ -89,7 +89,10 @@ class EngineProcess:
             ) from None
         if first[0] == "error":
             self._process.join(_JOIN_S)
-            raise EngineError(f"the engine process failed to build: {first[1]}")
+            _, kind, message = first
+            if kind == "ValueError":  # a bad argument (a tp the KV heads refuse): the caller's
+                raise ValueError(message)
+            raise EngineError(f"the engine process failed to build: {kind}: {message}")
         info = first[1]
         self.model = info["model"]  # tokenizer, chat template, config; no weights
         self.limits = info["limits"]
@@ -481,7 +484,7 @@ def _engine_main(conn: Any, make_engine: Callable[[], Engine]) -> None:
     try:
         engine = make_engine()
     except BaseException as error:  # noqa: BLE001 - reported to the parent, then exit
-        conn.send(("error", f"{type(error).__name__}: {error}"))
+        conn.send(("error", type(error).__name__, str(error)))
         return
     model = dataclasses.replace(engine.model, params={})  # what the parent needs: no weights
     info = dict(model=model, limits=engine.limits, max_len=engine.max_len,

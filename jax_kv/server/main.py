@@ -38,11 +38,12 @@ def run(
     api_key: str | None = None,
     log_level: str = "info",
     engine_process: bool = True,
+    tp: int = 1,
 ) -> int:
     """Serves the Engine `make_engine()` builds (a picklable callable: engine_process.
     build_engine with its arguments bound). engine_process: build and run it in a process of
     its own (EngineProcess), so the event loop and the engine's driver do not share a GIL;
-    False runs it on a thread of this process."""
+    False runs it on a thread of this process. tp: the KV heads' devices, for the banner."""
     engine: Any = EngineProcess(make_engine) if engine_process else make_engine()
     app = create_app(engine, model_name=model_name, api_key=api_key)
     config = uvicorn.Config(
@@ -55,7 +56,8 @@ def run(
     where = "in its own process" if engine_process else "on a thread of this process"
     print(
         f"jax_kv: serving {model_name!r} on http://{host}:{port}/v1 ({engine.max_slots} slots, "
-        f"max_len {engine.max_len}, the engine {where}); /health answers 200 once warmed up",
+        f"max_len {engine.max_len}, tp {tp}, the engine {where}); /health answers 200 once "
+        "warmed up",
         file=sys.stderr,
     )
     # uvicorn re-raises the stop signal to the handler it found once its graceful shutdown

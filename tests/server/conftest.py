@@ -15,42 +15,13 @@ import pytest
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-import jax_kv.models as jm  # noqa: E402
-from jax_kv.engine import Engine  # noqa: E402
-from jax_kv.memory import EagerArena  # noqa: E402
-
-MODEL_NAME = "tiny"
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<assistant>{% endif %}"
+from engine_factories import (  # noqa: E402, F401 - the server tests import them from here
+    CHAT_TEMPLATE,
+    MODEL_NAME,
+    CharTokenizer,
+    chat_model,
+    make_engine,
 )
-
-
-class CharTokenizer:
-    """Token t < 128 is ASCII character t; t >= 128 the letter 'a' + t % 26."""
-
-    def encode(self, text, add_special_tokens=True):
-        return _Encoding([ord(c) if ord(c) < 128 else ord("?") for c in text])
-
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join(chr(t) if t < 128 else chr(ord("a") + t % 26) for t in ids)
-
-
-@dataclasses.dataclass
-class _Encoding:
-    ids: list
-
-
-def chat_model():
-    """The tiny model with the character tokenizer and the chat template (module level: an
-    engine's spawned process builds it too, from the factories of the engine-process tests)."""
-    m = jm.random_model("tiny-llama", seed=7)
-    return dataclasses.replace(m, tokenizer=CharTokenizer(), chat_template=CHAT_TEMPLATE)
-
-
-def chat_engine(**kw):
-    """make_engine on chat_model(): what an EngineProcess of the tests builds."""
-    return make_engine(chat_model(), **kw)
 
 
 @pytest.fixture(scope="session")
@@ -124,13 +95,6 @@ def running(app, ready=True):
     finally:
         server.should_exit = True
         thread.join(60)
-
-
-def make_engine(model, **kw):
-    kw.setdefault("max_slots", 4)
-    kw.setdefault("max_len", 256)
-    kw.setdefault("prefill_chunk_tokens", 32)
-    return Engine(model, arena=EagerArena(), **kw)
 
 
 @pytest.fixture(scope="module")

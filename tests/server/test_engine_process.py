@@ -10,17 +10,14 @@ import signal
 import time
 
 import pytest
-from conftest import MODEL_NAME, chat_engine, request, running
+from conftest import request, running
+from engine_factories import MODEL_NAME, broken_engine, chat_engine, failing_engine
 
 from jax_kv.decode.sampling import Sampling
 from jax_kv.engine import FINISH_CANCELLED, FINISH_ERROR, EngineError, QueueFull
 from jax_kv.server.engine_process import EngineProcess
 
 tiny_engine = chat_engine
-
-
-def failing_engine():
-    raise ValueError("max_slots: expected an int >= 1, got 0 (a build that fails)")
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +87,11 @@ def test_cancel_ends_the_request_and_frees_its_memory(remote):
 
 
 def test_a_build_that_fails_raises_its_error():
-    with pytest.raises(EngineError, match=r"failed to build: ValueError: max_slots"):
-        EngineProcess(failing_engine)
+    """A bad argument as itself, any other error as EngineError naming it."""
+    with pytest.raises(ValueError, match=r"^max_slots: expected an int >= 1"):
+        EngineProcess(failing_engine)  # a bad argument stays a ValueError (serve: exit 2)
+    with pytest.raises(EngineError, match=r"failed to build: RuntimeError: the device is gone"):
+        EngineProcess(broken_engine)
 
 
 def test_a_dead_engine_ends_every_request_with_an_error():

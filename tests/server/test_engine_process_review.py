@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from conftest import chat_engine, chat_model, make_engine
+from engine_factories import chat_engine, chat_model, make_engine
 
 import jax_kv.server.engine_process as engine_process
 from jax_kv.engine import EngineError, QueueFull

@@ -1,0 +1,57 @@
+"""The engines the server tests serve, built by module-level functions: an EngineProcess's
+spawned process unpickles its factory by module and name, so they live in a module of a name
+no other test directory has (every directory's `conftest` is a different module)."""
+
+import dataclasses
+
+import jax_kv.models as jm
+from jax_kv.engine import Engine
+from jax_kv.memory import EagerArena
+
+MODEL_NAME = "tiny"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+class CharTokenizer:
+    """Token t < 128 is ASCII character t; t >= 128 the letter 'a' + t % 26."""
+
+    def encode(self, text, add_special_tokens=True):
+        return _Encoding([ord(c) if ord(c) < 128 else ord("?") for c in text])
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(t) if t < 128 else chr(ord("a") + t % 26) for t in ids)
+
+
+@dataclasses.dataclass
+class _Encoding:
+    ids: list
+
+
+def chat_model():
+    """The tiny model with the character tokenizer and the chat template (module level: an
+    engine's spawned process builds it too, from the factories of the engine-process tests)."""
+    m = jm.random_model("tiny-llama", seed=7)
+    return dataclasses.replace(m, tokenizer=CharTokenizer(), chat_template=CHAT_TEMPLATE)
+
+
+def chat_engine(**kw):
+    """make_engine on chat_model(): what an EngineProcess of the tests builds."""
+    return make_engine(chat_model(), **kw)
+
+
+def make_engine(model, **kw):
+    kw.setdefault("max_slots", 4)
+    kw.setdefault("max_len", 256)
+    kw.setdefault("prefill_chunk_tokens", 32)
+    return Engine(model, arena=EagerArena(), **kw)
+
+
+def failing_engine():
+    raise ValueError("max_slots: expected an int >= 1, got 0 (a build that fails)")
+
+
+def broken_engine():
+    raise RuntimeError("the device is gone")
