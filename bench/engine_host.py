@@ -100,7 +100,7 @@ def main() -> None:
     eng._greedy = lambda tokens: tokens
     eng._accept = lambda caches, verify: None  # nothing computed: nothing to write back
     if args.no_hand_over:
-        eng.cache.owns_all = lambda b: False
+        eng.cache.hands_over_in_place = lambda b, tokens: False  # fresh granules: recommit
     counts0 = arena.stats()
     stats0 = dataclasses.replace(eng.stats)
     if args.decode_only:

@@ -412,11 +412,6 @@ class SlotCache:
         self.slot_shared[b], self.slot_cached[b] = [], {}
         return linked
 
-    def owns_all(self, b: int) -> bool:
-        """Whether slot b's granules are all its own: none mapped from the prefix store or
-        into it (hand_over's condition)."""
-        return not self.slot_shared[b] and not self.slot_cached[b]
-
     def links_within(self, b: int, tokens: int) -> tuple[bool, list[int]]:
         """Slot b's links to the prefix store among the granules `tokens` tokens take (the
         ones hand_over keeps): whether it maps store blocks there, and the store blocks it
@@ -425,6 +420,12 @@ class SlotCache:
         blocks = -(-keep // self.block_granules) if self.block_granules else 0
         wrote = [s for k, s in self.slot_cached[b].items() if k < blocks]
         return keep > 0 and bool(self.slot_shared[b]), wrote
+
+    def hands_over_in_place(self, b: int, tokens: int) -> bool:
+        """Whether hand_over(b, tokens) keeps the granules as they are: none of those it keeps
+        is linked to the prefix store (else fresh ones replace them)."""
+        shared, wrote = self.links_within(b, tokens)
+        return not shared and not wrote
 
     def hand_over(self, b: int, tokens: int) -> int:
         """Gives slot b, as it is, to a new request that needs `tokens` tokens: the granules those
@@ -450,8 +451,7 @@ class SlotCache:
         self._check_tokens("hand_over", b, tokens)
         held = int(self.granules[b])
         keep = min(held, self.granules_for(tokens))
-        shared, wrote = self.links_within(b, tokens)
-        in_place = not shared and not wrote  # the granules kept hold no store block
+        in_place = self.hands_over_in_place(b, tokens)
         own = held - self._drop_store_links(b)
         self.lengths[b] = 0
         self.granules[b] = keep

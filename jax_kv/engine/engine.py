@@ -788,21 +788,14 @@ class Engine:
                 # is then reused as it is, no driver call, where keeping the block costs a
                 # fresh granule per binding (4 driver calls each); it would serve only a
                 # request continuing the old one, and the head is not one (no hit).
-                if not hits and partial is None and self.prefix is not None:
+                reuse = not hits and partial is None  # hits: b's blocks to map, not reuse
+                if reuse and self.prefix is not None:
                     _, wrote = self.cache.links_within(b, first)
                     self.stats.hand_over_evictions += self.prefix.evict_partials(wrote)
-                shared, wrote = self.cache.links_within(b, first)
-                if (
-                    hits
-                    or partial is not None
-                    or not (
-                        not (shared or wrote)
-                        or self.cache.bytes_for(first) <= self.cache.available_bytes()
-                    )
+                if reuse and (
+                    self.cache.hands_over_in_place(b, first)
+                    or self.cache.bytes_for(first) <= self.cache.available_bytes()
                 ):
-                    self._retire(only=b)
-                    hits, partial = self._lookup(seq)  # the release may have evicted some
-                else:
                     self._retiring.pop(b).slot = None
                     try:
                         self.cache.hand_over(b, first)
@@ -810,6 +803,9 @@ class Engine:
                     except ArenaExhausted:
                         pass  # b is released: the head's commit below tries (and evicts) again
                     self._trim_prefix()  # the old request's blocks are the store's alone now
+                else:
+                    self._retire(only=b)
+                    hits, partial = self._lookup(seq)  # the release may have evicted some
             if partial is not None and self.cache.block_bytes > self.cache.available_bytes():
                 self._retire()  # the memory ended requests still hold
                 if self.cache.block_bytes > self.cache.available_bytes():

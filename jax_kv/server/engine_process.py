@@ -98,7 +98,6 @@ class EngineProcess:
         self.limits = info["limits"]
         self.max_len, self.max_slots = info["max_len"], info["max_slots"]
         self.max_queue = info["max_queue"]
-        self.prefill_chunk_tokens = info["prefill_chunk_tokens"]
         self._snapshot = info["snapshot"]
         self._lock = threading.Lock()
         self._requests: dict[str, Request] = {}  # guarded by _lock
@@ -158,11 +157,6 @@ class EngineProcess:
     @property
     def accepting(self) -> bool:
         return self._accepting and self._failure is None
-
-    @property
-    def stats(self) -> Any:
-        """The engine's EngineStats as of its last step."""
-        return self._snapshot.stats
 
     def snapshot(self) -> Any:
         """The engine's last reported EngineSnapshot (one per step)."""
@@ -489,7 +483,6 @@ def _engine_main(conn: Any, make_engine: Callable[[], Engine]) -> None:
     model = dataclasses.replace(engine.model, params={})  # what the parent needs: no weights
     info = dict(model=model, limits=engine.limits, max_len=engine.max_len,
                 max_slots=engine.max_slots, max_queue=engine.max_queue,
-                prefill_chunk_tokens=engine.prefill_chunk_tokens,
                 snapshot=engine.snapshot())  # fmt: skip
     conn.send(("hello", info))
     try:
