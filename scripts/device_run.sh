@@ -130,11 +130,13 @@ for s in $STAGES; do
       timeout -k 10 ${ESTEP_TIMEOUT:-240} python3 bench/engine_step.py --out "$OUT" ${ESTEP_ARGS:-} 2>&1 \
         | grep -v -E "^\s*$|WARNING|gpu_hlo_schedule|rematerialization" | tee "$OUT/engine_step.log" | tail -12 ;;
     serve-prefix)
+      # Issue 23's workload 2: PREFIX_GROUPS x PREFIX_PER_GROUP (64 x 16), PREFIX_RATES (inf),
+      # PREFIX_ARGS more options for bench/serve.py.
       stage "bench/serve.py, shared-prefix workload"
       timeout -k 10 ${SERVE_TIMEOUT:-300} python3 bench/serve.py --model ${SERVE_MODEL:-llama-3-8b} \
         --dtype bfloat16 --slots ${SERVE_SLOTS:-64} --max-len ${SERVE_MAX_LEN:-32768} \
-        --workload shared-prefix --groups 16 --per-group 16 --engines jax_kv,jax_kv-noprefix \
-        --rates ${PREFIX_RATES:-inf} --out "$OUT" 2>&1 | grep -v -E "^\s*$|WARNING|gpu_hlo_schedule|rematerialization" \
+        --workload shared-prefix --groups ${PREFIX_GROUPS:-64} --per-group ${PREFIX_PER_GROUP:-16} \
+        --engines jax_kv,jax_kv-noprefix --rates ${PREFIX_RATES:-inf} --out "$OUT" ${PREFIX_ARGS:-} 2>&1 | grep -v -E "^\s*$|WARNING|gpu_hlo_schedule|rematerialization" \
         | tee "$OUT/serve_prefix.log" | tail -20 ;;
     serve-http)
       # HTTP_SWITCH_S sets sys.setswitchinterval in the bench and the server (a sitecustomize
