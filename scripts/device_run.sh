@@ -90,8 +90,10 @@ for s in $STAGES; do
     vmm-san)
       # --report-api-errors no: cuda-python probes driver symbols through cuGetProcAddress and
       # the misses are reported as API errors (20 per process), not memory errors.
+      # XLA's GEMM autotuning (off here: VSAN_XLA_FLAGS) launches hundreds of candidate kernels,
+      # each slowed by the instrumentation; what is checked is our kernels and mappings.
       stage "compute-sanitizer memcheck: VMM (zero granule), committed bound"
-      timeout -k 10 ${VSAN_TIMEOUT:-150} compute-sanitizer --tool memcheck --report-api-errors no --print-limit 20 \
+      XLA_FLAGS=${VSAN_XLA_FLAGS:---xla_gpu_autotune_level=0} timeout -k 10 ${VSAN_TIMEOUT:-150} compute-sanitizer --tool memcheck --report-api-errors no --print-limit 20 \
         python3 -m pytest -m gpu ${VSAN_TESTS:-tests/memory/test_zero_granule.py tests/ops/test_committed_bound.py} \
         -q -p no:cacheprovider -p no:benchmark --tb=short -rf -k "not cost" 2>&1 | tee "$OUT/vmm_sanitizer.log" | tail -30 ;;
     soak)
