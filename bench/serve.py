@@ -183,6 +183,11 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> 
         live: set[int] = set()
         held, committed, live_kv, floors, roofline = [], [], [], [], []
         cached_only: list[int] = []  # prefix blocks no slot maps (evicted when memory is short)
+        # Issue 23's bound on the shared-prefix workload, per step: one copy of each group's
+        # system prompt + the running requests' tails past it + the floor.
+        shared = args.workload == "shared-prefix"
+        prefix_once = args.groups * args.system_tokens * cache.token_bytes * cache.bindings
+        bounds: list[int] = []
         host, steps = [], []
         wbytes = weight_bytes(eng.params)
         cuda = _ffi.cuda_module()
@@ -224,6 +229,9 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> 
             committed.append(cache.committed_bytes)
             live_kv.append(cache.live_bytes)
             floors.append(cache.floor_bytes(in_use))
+            if shared:
+                tails = np.maximum(cache.lengths.astype(np.int64) - args.system_tokens, 0).sum()
+                bounds.append(prefix_once + floors[-1] + tails * cache.token_bytes * cache.bindings)
             host.append(rec.seconds - rec.prefill_seconds - rec.decode_seconds)
             steps.append(rec.seconds)
             if calls and rec.prefill_tokens == 0 and rec.decode_rows:
@@ -295,6 +303,15 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> 
             admissions=s.submitted - s0.submitted,
             planning_commits=s.planning_commits - s0.planning_commits,
             mean_prefix_cached_only_bytes=float(np.mean(cached_only)),
+            # held / the issue's bound at the step it is largest, with and without the blocks
+            # no slot maps (a cache the admission evicts when it needs the memory).
+            held_over_prefix_bound=float(np.max(np.divide(held, bounds))) if bounds else None,
+            requests_held_over_prefix_bound=float(
+                np.max(np.divide(np.subtract(held, cached_only), bounds))
+            )
+            if bounds
+            else None,
+            prefix_bound_at_peak_bytes=int(bounds[int(np.argmax(held))]) if bounds else None,
             requests_held_over_live_plus_floor=float(
                 (np.mean(held) - np.mean(cached_only))
                 / max(1.0, np.mean(live_kv) + np.mean(floors))
@@ -485,9 +502,19 @@ def print_row(rate: str, name: str, m: dict, args) -> None:
                 f", requests' KV {m['requests_held_over_live_plus_floor']:.2f}x (live + floor)"
             )
             + (
+                f"; against one copy of each group's prefix + tails + floor: at most "
+                f"{m['held_over_prefix_bound']:.2f}x ({m['requests_held_over_prefix_bound']:.2f}x"
+                f" without the blocks no slot maps), the bound at the peak "
+                f"{fmt_bytes(m['prefix_bound_at_peak_bytes'])}"
+                if m.get("held_over_prefix_bound") is not None
+                else ""
+            )
+            + (
                 f"; prefill computed {m['prefill_tokens_computed']:,} positions for "
                 f"{m['prompt_tokens']:,} prompt tokens ({m['unique_prompt_tokens']:,} "
-                f"unique), prefix hits {m['prefix_hit_tokens']:,} tokens"
+                f"unique), prefix hits {m['prefix_hit_tokens']:,} tokens "
+                f"({m['prefix_hit_tokens'] / max(1, m['prompt_tokens']):.1%} of the prompts'), "
+                f"copies on write {m['cow_copies']}"
             )
             + (
                 f"; decode at roofline x{m['decode_roofline_ratio']:.2f}"
