@@ -93,11 +93,15 @@ for s in $STAGES; do
       # XLA's GEMM autotuning (off here: VSAN_XLA_FLAGS) launches hundreds of candidate kernels,
       # each slowed by the instrumentation. VSAN_FILTER (e.g. "--kernel-name kns=Gqa") checks
       # only matching kernels and runs the rest natively: the engine's prefix test did not end
-      # in 500 s with every kernel checked (2026-12-06, fourth session).
+      # in 500 s with every kernel checked (2026-12-06, fourth session). Output goes to a file,
+      # not a pipe: at the limit `timeout` ends compute-sanitizer but the Python it launched
+      # lived on, holding tee's pipe, and the stage outlasted its limit; the leftovers are
+      # killed after it.
       stage "compute-sanitizer memcheck: VMM (zero granule), committed bound"
       XLA_FLAGS=${VSAN_XLA_FLAGS:---xla_gpu_autotune_level=0} timeout -k 10 ${VSAN_TIMEOUT:-150} compute-sanitizer --tool memcheck ${VSAN_FILTER:-} --report-api-errors no --print-limit 20 \
         python3 -m pytest -m gpu ${VSAN_TESTS:-tests/memory/test_zero_granule.py tests/ops/test_committed_bound.py} \
-        -q -p no:cacheprovider -p no:benchmark --tb=short -rf -k "not cost" 2>&1 | tee "$OUT/vmm_sanitizer.log" | tail -30 ;;
+        -q -p no:cacheprovider -p no:benchmark --tb=short -rf -k "not cost" --durations=0 > "$OUT/vmm_sanitizer.log" 2>&1
+      echo "vmm-san: exit $?"; pkill -9 -f "pytest -m gpu" 2>/dev/null; tail -30 "$OUT/vmm_sanitizer.log" ;;
     soak)
       stage "bench/soak.py"
       timeout -k 10 ${SOAK_TIMEOUT:-200} python3 bench/soak.py --steps ${SOAK_STEPS:-20000} --out "$OUT" 2>&1 \
