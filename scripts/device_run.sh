@@ -97,8 +97,15 @@ for s in $STAGES; do
       # not a pipe: at the limit `timeout` ends compute-sanitizer but the Python it launched
       # lived on, holding tee's pipe, and the stage outlasted its limit; the leftovers are
       # killed after it.
+      # VSAN_STACKS=S: every S seconds the tests' Python prints all its threads' stacks (a
+      # sitecustomize): where the time goes, even in a run the limit cuts.
       stage "compute-sanitizer memcheck: VMM (zero granule), committed bound"
-      XLA_FLAGS=${VSAN_XLA_FLAGS:---xla_gpu_autotune_level=0} timeout -k 10 ${VSAN_TIMEOUT:-150} compute-sanitizer --tool memcheck ${VSAN_FILTER:-} --report-api-errors no --print-limit 20 \
+      pp=${PYTHONPATH:-}
+      if [ -n "${VSAN_STACKS:-}" ]; then
+        mkdir -p /tmp/stacks && printf 'import faulthandler, sys\nfaulthandler.dump_traceback_later(%s, repeat=True, file=sys.stderr)\n' \
+          "$VSAN_STACKS" > /tmp/stacks/sitecustomize.py && pp=/tmp/stacks${pp:+:$pp}
+      fi
+      PYTHONPATH=$pp XLA_FLAGS=${VSAN_XLA_FLAGS:---xla_gpu_autotune_level=0} timeout -k 10 ${VSAN_TIMEOUT:-150} compute-sanitizer --tool memcheck ${VSAN_FILTER:-} --report-api-errors no --print-limit 20 \
         python3 -m pytest -m gpu ${VSAN_TESTS:-tests/memory/test_zero_granule.py tests/ops/test_committed_bound.py} \
         -q -p no:cacheprovider -p no:benchmark --tb=short -rf -k "not cost" --durations=0 > "$OUT/vmm_sanitizer.log" 2>&1
       echo "vmm-san: exit $?"; pkill -9 -f "pytest -m gpu" 2>/dev/null; tail -30 "$OUT/vmm_sanitizer.log" ;;
