@@ -33,10 +33,21 @@ if TYPE_CHECKING:
     from jax_kv.cache.kv_cache import KvCache
 
 
-def _refused(cache: KvCache, n: int, requested: int, error: Exception) -> ArenaExhausted:
+def _describe_need(n: int | np.ndarray) -> str:
+    """`n` of an ensure_capacity call, short: one number, or the largest of a per-row need."""
+    rows = np.asarray(n)
+    if rows.ndim == 0 or (rows == rows.flat[0]).all():
+        return str(int(rows.flat[0]))
+    return f"[B] up to {int(rows.max())}"
+
+
+def _refused(
+    cache: KvCache, n: int | np.ndarray, requested: int, error: Exception
+) -> ArenaExhausted:
     """The error of a growth the memory refused: the cache is left as it was."""
     return ArenaExhausted(
-        f"ensure_capacity(n={n}): cache stays at capacity {cache.capacity}; requested "
+        f"ensure_capacity(n={_describe_need(n)}): cache stays at capacity {cache.capacity}; "
+        f"requested "
         f"{requested} bytes, committed {cache.committed_bytes} bytes, available "
         f"{int(cache.arena.available_bytes())} bytes: {error}"
     )
@@ -52,6 +63,9 @@ class GrowthStrategy(abc.ABC):
     strategy holds only the arena regions it owns (none without VMM)."""
 
     is_vmm: ClassVar[bool] = False
+    # Whether each sequence gets only the tokens it needs (start and grow then take the need
+    # per row, int64 [B]); otherwise every row is committed to the largest need, an int.
+    per_row: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.regions: list[Region] = []  # one per binding, K of every layer then V
@@ -82,6 +96,10 @@ class GrowthStrategy(abc.ABC):
     def array_capacity(self, cache: KvCache) -> int:
         """S of the arrays."""
         return cache.capacity
+
+    def committed_tokens(self, cache: KvCache) -> np.ndarray:
+        """int32 [B]: positions of each sequence backed by committed memory."""
+        return np.full((cache.batch,), cache.capacity, np.int32)
 
     def check_outputs(self, arrays: list[jax.Array]) -> None:
         """Refuses a step's output caches that do not live where the strategy needs them."""
@@ -273,12 +291,20 @@ class _VmmGrowth(GrowthStrategy):
 class SeqMajorVmmGrowth(_VmmGrowth):
     """Seq-major on a VmmArena: each sequence's slot is reserved at max_len and the arrays are
     exported once at that shape; growth commits granules in steps of `commit_ahead` tokens
-    (0 bytes moved, same pointers, same shape: the compiled step is kept)."""
+    (0 bytes moved, same pointers, same shape: the compiled step is kept). Each sequence's
+    slot is committed to its own need: a batch of one long and 63 short prompts holds one long
+    slot, not 64 (`cache.capacity` is the longest row's)."""
 
     reason = GrowthReason.SEQ_VMM
     reshapes = False
+    per_row = True
 
-    def start(self, cache: KvCache, n: int) -> None:
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows = np.zeros((0,), np.int64)  # committed tokens per sequence
+
+    def start(self, cache: KvCache, n: np.ndarray) -> None:
+        self.rows = np.zeros((cache.batch,), np.int64)
         self._allocate(cache)
         self._export(cache)
         self.grow(cache, n)
@@ -286,20 +312,25 @@ class SeqMajorVmmGrowth(_VmmGrowth):
     def array_capacity(self, cache: KvCache) -> int:
         return self._slot_tokens(cache)
 
-    def grow(self, cache: KvCache, n: int) -> GrowthEvent:
-        old, tok, step = cache.capacity, cache.token_bytes, cache.commit_step
+    def committed_tokens(self, cache: KvCache) -> np.ndarray:
+        return self.rows.astype(np.int32)
+
+    def grow(self, cache: KvCache, n: np.ndarray) -> GrowthEvent:
+        tok, step, old = cache.token_bytes, cache.commit_step, self.rows
         max_len = self._slot_tokens(cache)
-        new = min(max_len, -(-n // step) * step)
+        new = np.maximum(old, np.minimum(max_len, -(-np.asarray(n, np.int64) // step) * step))
         slot = max_len * tok  # one sequence's slot, reserved at max_len
-        # Only the delta [old, new) of each slot: earlier granules are already mapped.
+        # Only the delta [old, new) of each slot that grows: earlier granules are mapped.
+        grows = np.flatnonzero(new > old).tolist()
         ranges = [
-            (r, b * slot + old * tok, b * slot + new * tok)
+            (r, b * slot + int(old[b]) * tok, b * slot + int(new[b]) * tok)
             for r in self.regions
-            for b in range(cache.batch)
+            for b in grows
         ]
         report = self._commit(cache, ranges, n)
-        cache.capacity = new
-        return self._event(old, new, report)
+        self.rows = new
+        before, cache.capacity = cache.capacity, int(new.max())
+        return self._event(before, cache.capacity, report)
 
 
 class HeadMajorVmmGrowth(_VmmGrowth):

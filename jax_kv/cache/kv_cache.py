@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -136,14 +137,14 @@ class KvCache:
         self.k: list[jax.Array] = []
         self.v: list[jax.Array] = []
         self.capacity = 0
-        n0 = max(1, int(initial_tokens))
+        n0 = np.maximum(1, self._need("initial_tokens", initial_tokens))
         self.plan = self.growth.plan(self, max_len, model_max_len)
         # VMM: the reservation (bounded even when the cache is not); else the hard max.
         reserved = self.plan.reservation_tokens
         self.max_len: int | None = self.plan.hard_max if reserved is None else reserved
-        self._check_hard_max(n0)
+        self._check_hard_max(int(n0.max()))
         with closed_on_failure(self, "KvCache"):
-            self.growth.start(self, n0)
+            self.growth.start(self, n0 if self.growth.per_row else int(n0.max()))
             self._sync_committed()
 
     # -- geometry and accounting ---------------------------------------------------------
@@ -179,10 +180,11 @@ class KvCache:
 
     def committed_tokens(self) -> np.ndarray:
         """int32 [B]: positions of each sequence backed by committed memory, the bound a kept
-        step's kernels write under (gqa_decode's `committed`). Every path commits whole
-        capacity steps for all sequences together, so it is the capacity for each row."""
+        step's kernels write under (gqa_decode's `committed`). Seq-major on VMM commits each
+        row its own need (`capacity` is then the longest row's); the other paths commit every
+        row to `capacity`."""
         self._check_open("committed_tokens")
-        return np.full((self.batch,), self.capacity, np.int32)
+        return self.growth.committed_tokens(self)
 
     def _check_open(self, what: str) -> None:
         if self.closed:
@@ -228,10 +230,11 @@ class KvCache:
         """Records `num_tokens` (scalar or [B]) more live tokens after a step wrote them."""
         self._check_open("advance")
         new = self.lengths.astype(np.int64) + np.asarray(num_tokens, np.int64)
-        if (new < 0).any() or (new > self.capacity).any():
+        committed = self.growth.committed_tokens(self)
+        if (new < 0).any() or (new > committed).any():
             raise ValueError(
-                f"advance: lengths would become {new.tolist()}, outside [0, capacity="
-                f"{self.capacity}]; call ensure_capacity first"
+                f"advance: lengths would become {new.tolist()}, outside [0, committed tokens "
+                f"{committed.tolist()}]; call ensure_capacity first"
             )
         self.lengths = new.astype(np.int32)
 
@@ -263,8 +266,10 @@ class KvCache:
 
     # -- growth --------------------------------------------------------------------------------
 
-    def ensure_capacity(self, n: int) -> GrowthEvent:
-        """Makes room for `n` tokens per sequence; returns what that cost.
+    def ensure_capacity(self, n: int | Sequence[int] | np.ndarray) -> GrowthEvent:
+        """Makes room for `n` tokens per sequence (an int, or one per row: [B]); returns what
+        that cost. Seq-major on VMM commits each row its own need; the other paths grow every
+        row to the largest.
 
         Raises:
             CapacityError: n is above the hard max (caller, metadata, or the VMM reservation).
@@ -272,8 +277,8 @@ class KvCache:
                 capacity, same arrays, data intact.
         """
         self._check_open("ensure_capacity")
-        n = int(n)
-        if n <= self.capacity:
+        need = self._need("n", n)
+        if not self.would_grow(need):
             return GrowthEvent(
                 old_capacity=self.capacity,
                 new_capacity=self.capacity,
@@ -285,9 +290,10 @@ class KvCache:
                 reason=GrowthReason.NONE,
                 committed_bytes=self.committed_bytes,
             )
-        self._check_hard_max(n)
+        top = int(need.max())
+        self._check_hard_max(top)
         t0 = time.perf_counter()
-        event = self.growth.grow(self, n)
+        event = self.growth.grow(self, need if self.growth.per_row else top)
         event = dataclasses.replace(
             event, seconds=time.perf_counter() - t0, committed_bytes=self.committed_bytes
         )
@@ -298,9 +304,25 @@ class KvCache:
         self.growth.after_growth(self)  # ahead of the next growth, outside the event's time
         return event
 
-    def _needed_bytes(self, n: int) -> int:
-        """KV bytes of `n` tokens per sequence: all layers, K and V, the whole batch."""
-        return 2 * self.num_layers * self.batch * n * self.token_bytes
+    def would_grow(self, n: int | Sequence[int] | np.ndarray) -> bool:
+        """Whether ensure_capacity(n) would commit: some row needs more than it holds."""
+        self._check_open("would_grow")
+        return bool((self._need("n", n) > self.growth.committed_tokens(self)).any())
+
+    def _need(self, name: str, n: Any) -> np.ndarray:
+        """int64 [B] from an int or one int per row; a clear error naming `name` otherwise."""
+        rows = np.asarray(n)
+        shapes = ((), (self.batch,))
+        if isinstance(n, bool) or rows.dtype.kind not in "iu" or rows.shape not in shapes:
+            raise ValueError(
+                f"{name}: expected an int or {self.batch} ints (one per sequence), got {n!r}"
+            )
+        return np.broadcast_to(rows.astype(np.int64), (self.batch,)).copy()
+
+    def _needed_bytes(self, n: int | np.ndarray) -> int:
+        """KV bytes of `n` tokens per sequence (an int, or per row): all layers, K and V."""
+        tokens = int(np.broadcast_to(np.asarray(n, np.int64), (self.batch,)).sum())
+        return 2 * self.num_layers * tokens * self.token_bytes
 
     def _check_hard_max(self, n: int) -> None:
         if self.max_len is not None and n > self.max_len:

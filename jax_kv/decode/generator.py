@@ -420,7 +420,7 @@ class Generator:
                 raise ValueError(f"prompts[{b}]: token id {bad[0]} outside [0, vocab={vocab})")
         return ids
 
-    def make_cache(self, batch: int, initial_tokens: int) -> KvCache:
+    def make_cache(self, batch: int, initial_tokens: int | np.ndarray) -> KvCache:
         config = self.model.config
         return KvCache(
             num_layers=config.num_layers,
@@ -482,7 +482,8 @@ class Generator:
             np.full((B,), max_new, np.int64) if cap is None else np.minimum(max_new, cap - lens)
         )
         stats = GenerationStats(layout=self.layout.name)
-        cache = self.make_cache(B, int(lens.max()))
+        # Each row's prompt: seq-major on VMM commits a row its own tokens, not the longest's.
+        cache = self.make_cache(B, lens)
         try:
             result = self._run(cache, ids, lens, budget, max_new, sampling, stop, on_tokens, stats)
         except BaseException as error:
@@ -609,8 +610,8 @@ class Generator:
             t_iter = time.perf_counter()
             waited = 0.0
             # Positions this call writes: lengths .. lengths + n - 1, each row capped at last.
-            need = int(np.minimum(cache.lengths.astype(np.int64) + n, last_np + 1).max())
-            grew = need > cache.capacity
+            need = np.minimum(cache.lengths.astype(np.int64) + n, last_np + 1)
+            grew = cache.would_grow(need)
             if grew:
                 waited += drain()  # growth (commit, re-stride) with no step in flight
                 if None not in reasons:

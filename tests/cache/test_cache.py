@@ -157,9 +157,10 @@ def host_fill(cache, rng):
         x = np.frombuffer(drv.host_view(r.ptr, n), np.float32)
         if cache.layout == Layout.HEAD_MAJOR:
             x[:] = rng.standard_normal(x.size)
-        else:  # only the committed capacity of each slot: the rest is PROT_NONE
+        else:  # only each slot's committed tokens: the rest is the read-only zero granule
             x = x.reshape(B_, S_, Hkv * D)
-            x[:, : cache.capacity] = rng.standard_normal((B_, cache.capacity, Hkv * D))
+            for b, n in enumerate(cache.committed_tokens().tolist()):
+                x[b, :n] = rng.standard_normal((n, Hkv * D))
         full.append(x)
     return full
 
@@ -204,6 +205,65 @@ def test_host_vmm_seq_major_commits_in_place(rng):
     cache.close()
     assert arena.committed_bytes == 0 and arena.live_views == 0
     arena.close()
+
+
+def test_host_vmm_seq_major_commits_each_row_its_own_tokens(rng):
+    """Seq-major on VMM: a row is committed to its own need, not the longest row's: one long
+    prompt beside short ones holds one long slot. Data, pointers and shape stay; a refusal
+    changes nothing; bad needs are refused by name."""
+    arena = host_arena(reserve_bytes=256 << 20, granule=G)
+    step, tok = G // (Hkv * D * 4), Hkv * D * 4  # one granule per commit step: 128 tokens
+    cache = make_cache(
+        Layout.SEQ_MAJOR, arena, batch=4, max_len=4096, min_bucket=step,
+        initial_tokens=np.array([1000, 5, 0, step + 1]),
+    )  # fmt: skip
+    rows = lambda: cache.committed_tokens().tolist()  # noqa: E731
+    ptrs, shape = cache.pointers(), cache.shape
+    assert rows() == [1024, 128, 128, 256] and cache.capacity == 1024
+    assert cache.committed_bytes == 2 * L * (1024 + 128 + 128 + 256) * tok
+    assert arena.committed_bytes == cache.committed_bytes + G  # + the control region's granule
+    host_fill(cache, rng)
+    cache.lengths[:] = [1000, 5, 0, 129]
+    before = [x.copy() for x in host_view_rows(cache)]
+
+    e = cache.ensure_capacity(np.array([1001, 300, 1, 129]))
+    assert rows() == [1024, 384, 128, 256]  # only row 1 grew: 2 granules per binding
+    assert (e.granules_committed, e.bytes_moved, e.keeps_compiled_step) == (2 * 2 * L, 0, True)
+    assert (e.old_capacity, e.new_capacity) == (1024, 1024)
+    assert cache.would_grow(1025) and not cache.would_grow([1024, 384, 128, 256])
+    assert cache.ensure_capacity([1000, 384, 1, 2]).reason == REASON_NONE
+    assert cache.pointers() == ptrs and cache.shape == shape
+    for a, b in zip(before, host_view_rows(cache), strict=True):
+        for r, n in enumerate(cache.lengths.tolist()):
+            np.testing.assert_array_equal(a[r][:n], b[r][:n])
+
+    with pytest.raises(ValueError, match=r"advance: .*committed tokens \[1024, 384, 128, 256\]"):
+        cache.advance([0, 0, 129, 0])
+    for bad in ([1, 2], 2.5, True, "7", np.zeros((4, 1), np.int32)):
+        with pytest.raises(ValueError, match=r"n: expected an int or 4 ints"):
+            cache.ensure_capacity(bad)
+
+    committed = arena.committed_bytes
+    arena.limit_bytes = committed + G  # one granule more: row 2 needs 8 per binding
+    with pytest.raises(ArenaExhausted, match=r"n=\[B\] up to 1024.* stays at capacity 1024"):
+        cache.ensure_capacity([0, 0, 1024, 0])
+    assert rows() == [1024, 384, 128, 256] and arena.committed_bytes == committed
+    arena.limit_bytes = None
+
+    assert cache.ensure_capacity(500).new_capacity == 1024  # an int: every row to 500
+    assert rows() == [1024, 512, 512, 512]
+    cache.close()
+    assert arena.committed_bytes == 0 and arena.live_views == 0
+    arena.close()
+
+
+def host_view_rows(cache):
+    """Each binding's slots as [B, S, Hkv * D] host arrays (seq-major)."""
+    drv, n = cache.arena.driver, cache.batch * cache.array_capacity * Hkv * D * 4
+    return [
+        np.frombuffer(drv.host_view(r.ptr, n), np.float32).reshape(cache.batch, -1, Hkv * D)
+        for r in cache.growth.regions
+    ]
 
 
 def test_host_vmm_head_major_restrides_in_place(rng):
