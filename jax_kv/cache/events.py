@@ -45,7 +45,9 @@ class GrowthEvent:
 
     @property
     def grew(self) -> bool:
-        return self.new_capacity != self.old_capacity
+        """Whether memory was committed or moved: a per-row growth of a short row leaves the
+        capacity (the longest row's) as it was."""
+        return self.reason != GrowthReason.NONE
 
 
 __all__ = [

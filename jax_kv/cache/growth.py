@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from jax_kv.cache.kv_cache import KvCache
 
 
-def _describe_need(n: int | np.ndarray) -> str:
+def describe_need(n: int | np.ndarray) -> str:
     """`n` of an ensure_capacity call, short: one number, or the largest of a per-row need."""
     rows = np.asarray(n)
     if rows.ndim == 0 or (rows == rows.flat[0]).all():
@@ -46,7 +46,7 @@ def _refused(
 ) -> ArenaExhausted:
     """The error of a growth the memory refused: the cache is left as it was."""
     return ArenaExhausted(
-        f"ensure_capacity(n={_describe_need(n)}): cache stays at capacity {cache.capacity}; "
+        f"ensure_capacity(n={describe_need(n)}): cache stays at capacity {cache.capacity}; "
         f"requested "
         f"{requested} bytes, committed {cache.committed_bytes} bytes, available "
         f"{int(cache.arena.available_bytes())} bytes: {error}"
@@ -77,13 +77,15 @@ class GrowthStrategy(abc.ABC):
         """The cache's capacity plan (the VMM paths size their reservation here)."""
 
     @abc.abstractmethod
-    def start(self, cache: KvCache, n: int) -> None:
-        """Creates the cache's arrays with room for `n` tokens (cache.capacity is 0)."""
+    def start(self, cache: KvCache, n: int | np.ndarray) -> None:
+        """Creates the cache's arrays with room for `n` tokens (cache.capacity is 0): an int,
+        or int64 [B] where `per_row`."""
 
     @abc.abstractmethod
-    def grow(self, cache: KvCache, n: int) -> GrowthEvent:
-        """Grows to hold `n` > cache.capacity tokens, all or nothing; `seconds` and
-        `committed_bytes` of the event are filled in by the cache."""
+    def grow(self, cache: KvCache, n: int | np.ndarray) -> GrowthEvent:
+        """Grows to hold `n` tokens (an int, or int64 [B] where `per_row`), more than some row
+        holds, all or nothing; `seconds` and `committed_bytes` of the event are filled in by
+        the cache."""
 
     @abc.abstractmethod
     def committed_bytes(self, cache: KvCache) -> int:

@@ -15,7 +15,7 @@ import numpy as np
 from jax_kv.cache._lifecycle import closed_on_failure
 from jax_kv.cache.capacity import CapacityError, bucket_for
 from jax_kv.cache.events import GrowthEvent, GrowthReason
-from jax_kv.cache.growth import GrowthStrategy, growth_for
+from jax_kv.cache.growth import GrowthStrategy, describe_need, growth_for
 from jax_kv.config import runtime_config
 from jax_kv.layout import Layout
 from jax_kv.memory import EagerArena, MeshArena, VmmArena
@@ -71,7 +71,8 @@ class KvCache:
             max_position_embeddings); else unbounded (VMM: bounded for the reservation).
         min_bucket: capacity floor and bucket base (JAX_KV_MIN_BUCKET, 256).
         commit_ahead: seq-major VMM commit step in tokens (JAX_KV_COMMIT_AHEAD, min_bucket).
-        initial_tokens: capacity to have ready at construction (at least 1).
+        initial_tokens: capacity to have ready at construction (at least 1): an int, or one
+            per sequence ([B]; seq-major on VMM then commits each its own).
         mesh: a jax.sharding.Mesh with a "tp" axis (jax_kv.parallel): the Hkv axis of every
             array is split over it. On VMM the arena is a MeshArena (default MeshArena(mesh);
             seq-major only): growth commits on every device or on none, and a kept step is
@@ -99,7 +100,7 @@ class KvCache:
         model_max_len: int | None = None,
         min_bucket: int | None = None,
         commit_ahead: int | None = None,
-        initial_tokens: int = 0,
+        initial_tokens: int | Sequence[int] | np.ndarray = 0,
         mesh: Any = None,
     ) -> None:
         config = runtime_config()
@@ -142,7 +143,7 @@ class KvCache:
         # VMM: the reservation (bounded even when the cache is not); else the hard max.
         reserved = self.plan.reservation_tokens
         self.max_len: int | None = self.plan.hard_max if reserved is None else reserved
-        self._check_hard_max(int(n0.max()))
+        self._check_hard_max(n0)
         with closed_on_failure(self, "KvCache"):
             self.growth.start(self, n0 if self.growth.per_row else int(n0.max()))
             self._sync_committed()
@@ -290,10 +291,9 @@ class KvCache:
                 reason=GrowthReason.NONE,
                 committed_bytes=self.committed_bytes,
             )
-        top = int(need.max())
-        self._check_hard_max(top)
+        self._check_hard_max(need)
         t0 = time.perf_counter()
-        event = self.growth.grow(self, need if self.growth.per_row else top)
+        event = self.growth.grow(self, need if self.growth.per_row else int(need.max()))
         event = dataclasses.replace(
             event, seconds=time.perf_counter() - t0, committed_bytes=self.committed_bytes
         )
@@ -313,9 +313,15 @@ class KvCache:
         """int64 [B] from an int or one int per row; a clear error naming `name` otherwise."""
         rows = np.asarray(n)
         shapes = ((), (self.batch,))
-        if isinstance(n, bool) or rows.dtype.kind not in "iu" or rows.shape not in shapes:
+        if (
+            isinstance(n, bool)
+            or rows.dtype.kind not in "iu"
+            or rows.shape not in shapes
+            or (rows < 0).any()
+        ):
             raise ValueError(
-                f"{name}: expected an int or {self.batch} ints (one per sequence), got {n!r}"
+                f"{name}: expected an int >= 0 or {self.batch} of them (one per sequence), "
+                f"got {n!r}"
             )
         return np.broadcast_to(rows.astype(np.int64), (self.batch,)).copy()
 
@@ -324,13 +330,15 @@ class KvCache:
         tokens = int(np.broadcast_to(np.asarray(n, np.int64), (self.batch,)).sum())
         return 2 * self.num_layers * tokens * self.token_bytes
 
-    def _check_hard_max(self, n: int) -> None:
-        if self.max_len is not None and n > self.max_len:
+    def _check_hard_max(self, need: np.ndarray) -> None:
+        """need: int64 [B], the tokens each sequence asks for."""
+        if self.max_len is not None and int(need.max()) > self.max_len:
             # Only a VMM reservation bounds a cache without a hard max.
             kind = "reservation" if self.plan.hard_max is None else "hard max"
             raise CapacityError(
-                f"ensure_capacity: n={n} tokens exceeds the {kind} of {self.max_len} tokens "
-                f"({self.plan.source}); requested {self._needed_bytes(n)} bytes, committed "
+                f"ensure_capacity: n={describe_need(need)} tokens exceeds the {kind} of "
+                f"{self.max_len} tokens ({self.plan.source}); requested "
+                f"{self._needed_bytes(need)} bytes, committed "
                 f"{self.committed_bytes} bytes, available {int(self.arena.available_bytes())} "
                 f"bytes"
             )

@@ -239,8 +239,8 @@ def test_host_vmm_seq_major_commits_each_row_its_own_tokens(rng):
 
     with pytest.raises(ValueError, match=r"advance: .*committed tokens \[1024, 384, 128, 256\]"):
         cache.advance([0, 0, 129, 0])
-    for bad in ([1, 2], 2.5, True, "7", np.zeros((4, 1), np.int32)):
-        with pytest.raises(ValueError, match=r"n: expected an int or 4 ints"):
+    for bad in ([1, 2], 2.5, True, "7", np.zeros((4, 1), np.int32), [0, -1, 0, 0]):
+        with pytest.raises(ValueError, match=r"n: expected an int >= 0 or 4 of them"):
             cache.ensure_capacity(bad)
 
     committed = arena.committed_bytes
