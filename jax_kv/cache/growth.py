@@ -47,8 +47,7 @@ def _refused(
     """The error of a growth the memory refused: the cache is left as it was."""
     return ArenaExhausted(
         f"ensure_capacity(n={describe_need(n)}): cache stays at capacity {cache.capacity}; "
-        f"requested "
-        f"{requested} bytes, committed {cache.committed_bytes} bytes, available "
+        f"requested {requested} bytes, committed {cache.committed_bytes} bytes, available "
         f"{int(cache.arena.available_bytes())} bytes: {error}"
     )
 

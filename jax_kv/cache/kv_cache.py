@@ -279,7 +279,7 @@ class KvCache:
         """
         self._check_open("ensure_capacity")
         need = self._need("n", n)
-        if not self.would_grow(need):
+        if not self._grows(need):
             return GrowthEvent(
                 old_capacity=self.capacity,
                 new_capacity=self.capacity,
@@ -307,7 +307,10 @@ class KvCache:
     def would_grow(self, n: int | Sequence[int] | np.ndarray) -> bool:
         """Whether ensure_capacity(n) would commit: some row needs more than it holds."""
         self._check_open("would_grow")
-        return bool((self._need("n", n) > self.growth.committed_tokens(self)).any())
+        return self._grows(self._need("n", n))
+
+    def _grows(self, need: np.ndarray) -> bool:
+        return bool((need > self.growth.committed_tokens(self)).any())
 
     def _need(self, name: str, n: Any) -> np.ndarray:
         """int64 [B] from an int or one int per row; a clear error naming `name` otherwise."""
