@@ -253,8 +253,8 @@ def main() -> None:
         if k.get("xla_peak_bytes") is not None:
             peak, weights = k["xla_peak_bytes"] / 2**30, k["weight_bytes"] / 2**30
             print(
-                f"{r['workload']}, packed: XLA peak {peak:.2f} GiB = weights {weights:.2f} + "
-                f"{peak - weights:.2f} GiB (bound: 4 GiB) beside the arena's KV "
+                f"{r['workload']}, packed: XLA peak so far {peak:.2f} GiB = weights "
+                f"{weights:.2f} + {peak - weights:.2f} GiB (bound: 4 GiB) beside the arena's KV "
                 f"{k['kv_committed_bytes'] / 2**30:.2f} GiB"
             )
         for form in ("padded", "packed"):
