@@ -91,7 +91,8 @@ for s in $STAGES; do
       # --report-api-errors no: cuda-python probes driver symbols through cuGetProcAddress and
       # the misses are reported as API errors (20 per process), not memory errors.
       # XLA's GEMM autotuning (off here: VSAN_XLA_FLAGS) launches hundreds of candidate kernels,
-      # each slowed by the instrumentation. VSAN_FILTER (e.g. "--kernel-name kns=Gqa") checks
+      # each slowed by the instrumentation; command buffers (off too) are recorded and
+      # instantiated again under it, where plain launches check the same kernels. VSAN_FILTER (e.g. "--kernel-name kns=Gqa") checks
       # only matching kernels and runs the rest natively: the engine's prefix test did not end
       # in 500 s with every kernel checked (2026-12-06, fourth session). Output goes to a file,
       # not a pipe: at the limit `timeout` ends compute-sanitizer but the Python it launched
@@ -105,7 +106,7 @@ for s in $STAGES; do
         mkdir -p /tmp/stacks && printf 'import faulthandler, sys\nfaulthandler.dump_traceback_later(%s, repeat=True, file=sys.stderr)\n' \
           "$VSAN_STACKS" > /tmp/stacks/sitecustomize.py && pp=/tmp/stacks${pp:+:$pp}
       fi
-      PYTHONPATH=$pp XLA_FLAGS=${VSAN_XLA_FLAGS:---xla_gpu_autotune_level=0} timeout -k 10 ${VSAN_TIMEOUT:-150} compute-sanitizer --tool memcheck ${VSAN_FILTER:-} --report-api-errors no --print-limit 20 \
+      PYTHONPATH=$pp XLA_FLAGS=${VSAN_XLA_FLAGS:---xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=} timeout -k 10 ${VSAN_TIMEOUT:-150} compute-sanitizer --tool memcheck ${VSAN_FILTER:-} --report-api-errors no --print-limit 20 \
         python3 -m pytest -m gpu ${VSAN_TESTS:-tests/memory/test_zero_granule.py tests/ops/test_committed_bound.py} \
         -q -p no:cacheprovider -p no:benchmark --tb=short -rf -k "not cost" --durations=0 > "$OUT/vmm_sanitizer.log" 2>&1
       echo "vmm-san: exit $?"; pkill -9 -f "pytest -m gpu" 2>/dev/null; tail -30 "$OUT/vmm_sanitizer.log" ;;
