@@ -91,8 +91,9 @@ for s in $STAGES; do
       # --report-api-errors no: cuda-python probes driver symbols through cuGetProcAddress and
       # the misses are reported as API errors (20 per process), not memory errors.
       # XLA's GEMM autotuning (off here: VSAN_XLA_FLAGS) launches hundreds of candidate kernels,
-      # each slowed by the instrumentation; command buffers (off too) are recorded and
-      # instantiated again under it, where plain launches check the same kernels. VSAN_FILTER (e.g. "--kernel-name kns=Gqa") checks
+      # each slowed by the instrumentation. Command buffers are off too: plain launches run the
+      # same kernels, and graph capture under the sanitizer is one suspect for the time (not
+      # measured). VSAN_FILTER (e.g. "--kernel-name kns=Gqa") checks
       # only matching kernels and runs the rest natively: the engine's prefix test did not end
       # in 500 s with every kernel checked (2026-12-06, fourth session). Output goes to a file,
       # not a pipe: at the limit `timeout` ends compute-sanitizer but the Python it launched
