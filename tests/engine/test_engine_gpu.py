@@ -197,6 +197,35 @@ def test_prefix_cache_on_cuda_shares_granules_and_keeps_tokens(model, rng):
     assert cow == 2 * model.config.num_layers
 
 
+def test_prefix_paths_on_cuda_for_the_sanitizer(model, rng):
+    """The prefix cache's CUDA paths with one engine and few tokens, sized for compute-
+    sanitizer (the test above runs two engines and did not finish under it in ~540 s): a
+    follower maps a running request's blocks read-only and its attention reads them, a chat
+    turn copies its partial block on write, the close unmaps them: every handle released, no
+    fault counted. Token equality with the cache off is the test above's."""
+    from jax_kv.memory import VmmArena
+
+    vocab = model.config.vocab_size
+    prefix = [int(t) for t in rng.integers(3, vocab, 1100)]  # 2 blocks of 512 tokens + 76
+    first, second = (prefix + [int(t) for t in rng.integers(3, vocab, 8)] for _ in range(2))
+    arena = VmmArena(pool_bytes=0)
+    eng = Engine(model, max_slots=2, max_len=MAX_LEN, prefill_chunk_tokens=512, arena=arena,
+                 prefix_cache=True)  # fmt: skip
+    lead = eng.submit(first, 4, stop_token_ids=[])
+    for _ in range(3):  # the lead's prompt is prefilled: its full blocks are cached
+        eng.step()
+    follower = eng.submit(second, 4, stop_token_ids=[])
+    eng.run_until_idle()
+    turn = eng.submit(first + lead.result().tokens + [5, 6, 7], 2, stop_token_ids=[])
+    eng.run_until_idle()
+    assert eng.prefix.stats.hit_tokens >= 2 * 512 and arena.stats().cow_copies > 0
+    assert len(follower.result().tokens) == 4 and len(turn.result().tokens) == 2
+    eng.close()
+    arena.close()
+    s = arena.stats()
+    assert s.handles_live == 0 and not any(s.faults.values()), s
+
+
 def test_engine_under_a_one_device_mesh_equals_no_mesh(model, rng):
     """issue 28's code path on the one GPU lent: a tp=1 mesh, the ops under shard_map, the
     params laid out by partition_specs, the cache on a MeshArena of one CUDA VmmArena; greedy
