@@ -422,8 +422,9 @@ def run_static(model, wl: Workload, arrivals: np.ndarray, args) -> dict:
         try:
             res = gen.generate([sub.prompts[i] for i in batch], most, stop_tokens=[])
         except ArenaExhausted:
-            # The Generator commits every row to the batch's longest (prompt + output): a
-            # batch that does not fit runs as two, one after the other, as a user would.
+            # Every row runs to the batch's longest output (each row's own prompt + that, on
+            # seq-major VMM): a batch that does not fit runs as two, one after the other, as a
+            # user would.
             if len(batch) == 1:
                 raise
             half, splits = len(batch) // 2, splits + 1
