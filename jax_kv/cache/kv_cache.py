@@ -155,6 +155,12 @@ class KvCache:
         return self.growth.is_vmm
 
     @property
+    def commits_per_row(self) -> bool:
+        """Whether each sequence commits its own tokens (seq-major on VMM), or every row the
+        largest need."""
+        return self.growth.per_row
+
+    @property
     def array_capacity(self) -> int:
         """S of the arrays (max_len for seq-major VMM; the capacity otherwise)."""
         return self.growth.array_capacity(self)

@@ -207,6 +207,17 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
+def growth_ask(need: np.ndarray, committed: np.ndarray, step: int, last: np.ndarray) -> np.ndarray:
+    """What a per-row growth asks for, int64 [B]: each row's need, and for a row that does not
+    need to grow yet but would within `step` more tokens, that much more. Rows of different
+    lengths then grow together, about one growth event (and one drain of the call in flight)
+    per commit step as when every row grew to the longest, not one per row; rows that grow
+    together anyway (equal lengths) ask for their need alone, as before."""
+    soon = np.minimum(need + step, last.astype(np.int64) + 1)
+    pulled = (need <= committed) & (soon > committed)
+    return np.where(pulled, soon, need)
+
+
 class Generator:
     """Generates with one jitted, donated decode step per call on a growing KvCache.
 
@@ -617,6 +628,8 @@ class Generator:
                 if None not in reasons:
                     break
                 before = (cache.array_capacity, cache.pointers())
+                if cache.commits_per_row:
+                    need = growth_ask(need, cache.committed_tokens(), cache.commit_step, last_np)
                 event = cache.ensure_capacity(need)
                 self._decide(event, before, cache, generated, stats)
             caches = list(zip(cache.k, cache.v, strict=True))

@@ -2,6 +2,7 @@
 tokens end a row, sampling is reproducible, counters add up, a step is never kept across a
 move, bad arguments are refused."""
 
+import numpy as np
 import pytest
 from reference_loop import greedy_static
 
@@ -178,3 +179,39 @@ def test_a_step_is_never_kept_across_a_move(model, keeps, moved, after, kept):
     assert d.token_index == 7 and d.bytes_moved == moved
     if keeps and not kept:
         assert "invalidated" in d.reason
+
+
+def test_per_row_growth_groups_rows_about_once_per_commit_step():
+    """growth_ask (seq-major on VMM, where each row commits its own tokens): rows of different
+    lengths that would cross their commit step within one more step grow with the row that must,
+    so a mixed batch has about one growth event (a drain of the call in flight) per step, not one
+    per row; equal rows ask for their need alone, as before; no row asks past its last."""
+    from jax_kv.decode.generator import growth_ask
+
+    step, B, tokens = 16, 64, 256
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(1, 500, B).astype(np.int64)
+    last = prompts + tokens + 5
+
+    def events(policy):
+        committed = -(-prompts // step) * step
+        count = 0
+        for t in range(tokens):
+            need = np.minimum(prompts + t + 1, last + 1)
+            if (need > committed).any():
+                ask = policy(need, committed)
+                assert (ask >= need).all() and (ask <= last + 1).all()
+                committed = np.maximum(committed, -(-ask // step) * step)
+                count += 1
+            assert (committed >= need).all()
+        return count
+
+    grouped = events(lambda need, c: growth_ask(need, c, step, last))
+    alone = events(lambda need, c: need)
+    assert grouped <= tokens // step + 2 < alone, (grouped, alone)
+    equal = np.full(B, 40, np.int64)
+    c = np.full(B, 32, np.int64)
+    np.testing.assert_array_equal(growth_ask(equal, c, step, equal + 100), equal)
+    # a row near its last asks for no more than last + 1; a row that must grow asks its need
+    ask = growth_ask(np.array([30, 20]), np.array([32, 16]), step, np.array([40, 33]))
+    assert ask.tolist() == [41, 20]
