@@ -150,7 +150,7 @@ for s in $STAGES; do
       # Issue 23's workload 2: PREFIX_GROUPS x PREFIX_PER_GROUP (64 x 16), PREFIX_RATES (inf),
       # PREFIX_ARGS more options for bench/serve.py.
       stage "bench/serve.py, shared-prefix workload"
-      timeout -k 10 ${SERVE_TIMEOUT:-300} python3 bench/serve.py --model ${SERVE_MODEL:-llama-3-8b} \
+      timeout -k 10 ${SERVE_TIMEOUT:-540} python3 bench/serve.py --model ${SERVE_MODEL:-llama-3-8b} \
         --dtype bfloat16 --slots ${SERVE_SLOTS:-64} --max-len ${SERVE_MAX_LEN:-32768} \
         --workload shared-prefix --groups ${PREFIX_GROUPS:-64} --per-group ${PREFIX_PER_GROUP:-16} \
         --engines jax_kv,jax_kv-noprefix --rates ${PREFIX_RATES:-inf} --out "$OUT" ${PREFIX_ARGS:-} 2>&1 | grep -v -E "^\s*$|WARNING|gpu_hlo_schedule|rematerialization" \
