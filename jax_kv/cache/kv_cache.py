@@ -326,13 +326,15 @@ class KvCache:
             isinstance(n, bool)
             or rows.dtype.kind not in "iu"
             or rows.shape not in shapes
-            or (rows < 0).any()
+            or rows.min() < 0
         ):
             raise ValueError(
                 f"{name}: expected an int >= 0 or {self.batch} of them (one per sequence), "
                 f"got {n!r}"
             )
-        return np.broadcast_to(rows.astype(np.int64), (self.batch,)).copy()
+        if rows.ndim == 0:
+            return np.full((self.batch,), int(rows), np.int64)
+        return rows.astype(np.int64)  # a copy: the caller's array is not kept
 
     def _needed_bytes(self, n: int | np.ndarray) -> int:
         """KV bytes of `n` tokens per sequence (an int, or per row): all layers, K and V."""
