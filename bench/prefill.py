@@ -90,7 +90,12 @@ def padded_temp_bytes(config, params, batch, T, dtype) -> int:
         cache_sds(config, batch, T, dtype),
         sds((batch,)),
     )
-    return padded_step(config).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    # Autotuning off for this compile only: on a GPU it would run the padded GEMMs
+    # ([B*T, 4096] x [28672, 4096] for (a)) on real buffers, and XLA's allocator keeps them
+    # (on the H100 it took more than 150 s and left the packed form's KV no room).
+    options = {"xla_gpu_autotune_level": 0} if jax.default_backend() == "gpu" else None
+    compiled = padded_step(config).lower(*args).compile(compiler_options=options)
+    return compiled.memory_analysis().temp_size_in_bytes
 
 
 def packed_plan(lengths: list[int], chunk: int) -> tuple[int, int, int]:
@@ -217,6 +222,8 @@ def main() -> None:
                 weight_bytes=int(sum(x.nbytes for x in jax.tree_util.tree_leaves(params))),
                 kv_committed_bytes=committed,
             )
+            # The packed figures, before the padded form's compile (which may not finish in time).
+            print(json.dumps(dict(row, packed_timed=timed["packed"])), flush=True)
         row["padded"] = dict(
             computed=B * T, temp_bytes=padded_temp_bytes(config, params, B, T, dtype)
         )
