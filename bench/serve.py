@@ -451,11 +451,20 @@ def fmt_bytes(x) -> str:
 
 
 def print_header(args) -> None:
+    if args.workload == "shared-prefix":
+        workload = (
+            f"{args.groups} groups x {args.per_group} prompts: a {args.system_tokens}-token "
+            f"system prompt per group, {args.question_tokens}-token questions, "
+            f"{args.output_tokens} output tokens"
+        )
+    else:
+        workload = (
+            f"{args.requests} requests, prompt median {args.prompt_median} (max "
+            f"{args.prompt_max}), output median {args.output_median} (max {args.output_max})"
+        )
     print(
         f"\n{args.model} shape, {args.dtype}, random weights, greedy; {args.slots} slots, max_len "
-        f"{args.max_len}, chunk {args.chunk}; {args.requests} requests, prompt median "
-        f"{args.prompt_median} (max {args.prompt_max}), output median {args.output_median} (max "
-        f"{args.output_max}); {jax.devices()[0].device_kind}"
+        f"{args.max_len}, chunk {args.chunk}; {workload}; {jax.devices()[0].device_kind}"
     )
     print("| rate | engine | out tok/s | req/s | TTFT p50/p99 ms | ITL p50/p99 ms | notes |")
     print("|" + "---|" * 7, flush=True)
