@@ -164,11 +164,16 @@ def weight_bytes(params) -> int:
     return int(sum(a.nbytes for a in jax.tree_util.tree_leaves(params)))
 
 
+def prefix_cache_bytes(args) -> int | None:
+    """Engine(prefix_cache_bytes): the cap on cached blocks no running request maps."""
+    return None if args.prefix_cache_gib is None else int(args.prefix_cache_gib * 2**30)
+
+
 def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> dict:
     eng = Engine(
         model, max_slots=args.slots, max_len=args.max_len,
         prefill_chunk_tokens=args.chunk, max_queue=len(wl.prompts) + 1, prefix_cache=prefix,
-        arena=make_arena(args),
+        arena=make_arena(args), prefix_cache_bytes=prefix_cache_bytes(args),
     )  # fmt: skip
     try:
         eng.warm_up()
@@ -509,6 +514,7 @@ def print_row(rate: str, name: str, m: dict, args) -> None:
             + ")"
             + (
                 f"; prefix blocks no slot maps mean {fmt_bytes(m['mean_prefix_cached_only_bytes'])}"
+                f"{'' if args.prefix_cache_gib is None else f' (cap {args.prefix_cache_gib} GiB)'}"
                 f", requests' KV {m['requests_held_over_live_plus_floor']:.2f}x (live + floor)"
             )
             + (
@@ -581,7 +587,7 @@ def run_multiturn(model, args, prefix: bool | None) -> dict:
     vocab = model.config.vocab_size
     eng = Engine(model, max_slots=args.slots, max_len=args.max_len, prefix_cache=prefix,
                  prefill_chunk_tokens=args.chunk, max_queue=args.conversations + 1,
-                 arena=make_arena(args))  # fmt: skip
+                 arena=make_arena(args), prefix_cache_bytes=prefix_cache_bytes(args))  # fmt: skip
     try:
         eng.warm_up()
         s0 = dataclasses.replace(eng.stats, finished=dict(eng.stats.finished))
@@ -637,6 +643,11 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=32768)
     ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument(
+        "--prefix-cache-gib", type=float, default=None,
+        help="cap the prefix cache's blocks that no running request maps (Engine("
+        "prefix_cache_bytes)); default: kept until admission needs the memory",
+    )  # fmt: skip
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument(
         "--rates", default="4,8,16,inf", help="requests/s, comma-separated; inf: offline"
