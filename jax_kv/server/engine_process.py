@@ -354,6 +354,7 @@ class _EngineSide:
         self.drain_deadline: float | None = None
         self.shutdown_call: int | None = None  # acknowledged once drained
         self.closing = self.failure_sent = False
+        self.deferred: list[tuple] = []  # calls received during a warm-up, run after it
         engine.on_delivered = self.flush
 
     def run(self) -> None:
@@ -403,6 +404,23 @@ class _EngineSide:
                 found[0].cancel()
         elif kind == "call":
             self.call(message[1], message[2], *message[3:])
+            while self.deferred and not self.closing:
+                self.handle(self.deferred.pop(0))
+
+    def read_during_warm_up(self) -> None:
+        """Engine.warm_up's `between`: the pipe, read between compiles, so a server stopped
+        while it compiles does not wait for the last compile. Submits, cancels and a shutdown
+        are handled at once (a shutdown stops the warm-up at its next request); other calls
+        wait until the warm-up ended, and a close stops it as a shutdown without draining
+        would (close frees the cache the warm-up steps on)."""
+        while self.conn.poll(0):
+            message = self.conn.recv()
+            if message[0] == "call" and message[2] != "shutdown":
+                self.deferred.append(message)
+                if message[2] == "close":
+                    self.engine.shutdown(drain=False)
+            else:
+                self.handle(message)
 
     def call(self, call: int, what: str, *args: Any) -> None:
         """Runs a call (warm_up, shutdown, close) and acknowledges it with its error, if any;
@@ -410,7 +428,7 @@ class _EngineSide:
         engine = self.engine
         try:
             if what == "warm_up":
-                engine.warm_up()
+                engine.warm_up(between=self.read_during_warm_up)
             elif what == "shutdown":
                 drain, timeout = args
                 engine.shutdown(drain=drain)  # no driver thread: stops accepting (cancels all)

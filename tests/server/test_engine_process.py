@@ -7,6 +7,7 @@ import functools
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -154,3 +155,57 @@ def test_the_server_streams_the_engine_processs_tokens_and_exports_its_counters(
         assert steps and float(steps[0].split()[-1]) > 0
     remote.close()  # the app's shutdown drained it
     assert remote._process.exitcode == 0
+
+
+SLOW_PREFILL_S = 1.5  # per prefill call of the warm-up below: >= 7 calls, >= 10.5 s in all
+
+
+def engine_slow_warm_up():
+    """Every prefill call sleeps first: a warm-up long enough that a stop during it shows
+    whether the engine's process read the pipe between compiles (buckets 16 .. 256)."""
+    e = tiny_engine(max_slots=2, prefill_chunk_tokens=256)
+    run = e._run_prefill
+
+    def slow(*args, **kw):
+        time.sleep(SLOW_PREFILL_S)
+        return run(*args, **kw)
+
+    e._run_prefill = slow
+    return e
+
+
+@pytest.mark.parametrize("stop", ["shutdown", "close"])
+def test_a_stop_during_the_warm_up_ends_it_at_its_next_request(stop):
+    """The engine's process used to run warm_up to its end before it read the pipe, so a
+    server stopped while it compiled waited for every compile (and close() could kill it
+    after _JOIN_S). It now reads the pipe between warm-up requests: a shutdown or a close
+    returns within about one prefill call, the warm-up is refused as the thread engine's is,
+    and the process exits by itself."""
+    ep = EngineProcess(engine_slow_warm_up)
+    warm = {}
+
+    def warm_up():
+        try:
+            ep.warm_up()
+        except EngineError as e:
+            warm["error"] = e
+
+    t = threading.Thread(target=warm_up, daemon=True)
+    t.start()
+    time.sleep(0.5)  # the warm-up is in its first prefill call
+    t0 = time.monotonic()
+    if stop == "shutdown":
+        ep.shutdown(drain=False)
+    else:
+        ep.close()
+    t.join(30)
+    elapsed = time.monotonic() - t0
+    try:
+        assert not t.is_alive()
+        assert elapsed < 3 * SLOW_PREFILL_S, f"{stop} took {elapsed:.1f} s during the warm-up"
+        assert "error" in warm, "warm_up() returned as if it had warmed up"
+        if stop == "close":
+            ep._process.join(10)
+            assert ep._process.exitcode == 0, ep._process.exitcode  # not killed
+    finally:
+        ep.close()
