@@ -687,13 +687,30 @@ class Engine:
         """Compiles every prefill bucket (16 .. prefill_chunk_tokens), the decode step and
         both token pickers (argmax, sampler), by serving a few short requests, before the
         background driver starts (a server is ready only after this: no request then waits
-        for a compile).
+        for a compile). A shutdown() from another thread ends it at its next request (that
+        submit is refused with EngineError).
 
-        `between` runs before each warm-up request (between compiles). The server's engine
-        process reads its pipe there: a shutdown() it receives stops the warm-up at its next
-        request, as shutdown() from another thread does, not after the last compile."""
+        `between` runs before each warm-up request (between compiles); the server's engine
+        process reads its pipe there. If it raises, the warm-up's own requests are cancelled
+        and ended (the engine is idle again, its compiles so far kept) and the exception
+        propagates."""
         if self._thread is not None:
             raise EngineError("warm_up: call it before start()")
+        mine: list[Request] = []
+
+        def submit(prompt: list[int], max_new: int, sampling: Sampling | None = None) -> None:
+            if between is not None:
+                try:
+                    between()
+                except BaseException:
+                    for request in mine:
+                        request.cancel()
+                    self.run_until_idle()
+                    raise
+            while self.num_waiting >= self.max_queue:  # within the engine's own max_queue
+                self.step()
+            mine.append(self.submit(prompt, max_new, sampling, stop_token_ids=[]))
+
         vocab = self.model.config.vocab_size
         longest = self.max_len - 1  # a prompt with one new token (its first, from prefill)
         smaller = 0  # the bucket below n
@@ -706,31 +723,14 @@ class Engine:
             for j in range(-(-real // longest)):
                 size = min(longest, real - j * longest)
                 # Prompts that share no block (the prefix cache would shorten their prefill).
-                self._warm_submit([(n + 131 * j + i) % vocab for i in range(size)], 1, between)
+                submit([(n + 131 * j + i) % vocab for i in range(size)], 1)
             self.run_until_idle()
             smaller = n
         size = max(1, min(20, self.max_len - 3))
         for j in range(min(4, self.max_slots)):  # a packed call of several rows, a wide decode
             # The first samples: the sampler is compiled too (the others' calls: argmax).
-            sampling = Sampling(temperature=1.0) if j == 0 else None
-            self._warm_submit([1 + j] * size, min(3, self.max_len - size), between, sampling)
+            submit([1 + j] * size, min(3, self.max_len - size), Sampling(1.0) if j == 0 else None)
         self.run_until_idle()
-
-    def _warm_submit(
-        self,
-        prompt: list[int],
-        max_new: int,
-        between: Callable[[], None] | None,
-        sampling: Sampling | None = None,
-    ) -> None:
-        """submit() for warm_up: within the engine's own max_queue (steps until there is
-        room), and refused with EngineError once shutdown() began (a server stopped while it
-        compiles: warm_up then ends at its next request)."""
-        if between is not None:
-            between()
-        while self.num_waiting >= self.max_queue:
-            self.step()
-        self.submit(prompt, max_new, sampling, stop_token_ids=[])
 
     def run_until_idle(self, max_steps: int | None = None) -> None:
         """Steps until every submitted request finished (tests, offline use)."""

@@ -341,6 +341,10 @@ def _portable(completion: Completion) -> Completion:
     return dataclasses.replace(completion, error=EngineError(f"{type(e).__name__}: {e}"))
 
 
+class WarmUpStopped(EngineError):
+    """A shutdown or close reached the engine's process during its warm-up."""
+
+
 class _EngineSide:
     """The engine's process: one thread that reads the pipe between steps and steps while
     there is work; each delivery's tokens go to the parent in one message (Engine.
@@ -354,7 +358,7 @@ class _EngineSide:
         self.drain_deadline: float | None = None
         self.shutdown_call: int | None = None  # acknowledged once drained
         self.closing = self.failure_sent = False
-        self.deferred: list[tuple] = []  # calls received during a warm-up, run after it
+        self.deferred: list[tuple] = []  # read during a warm-up, handled after it in order
         engine.on_delivered = self.flush
 
     def run(self) -> None:
@@ -409,18 +413,15 @@ class _EngineSide:
 
     def read_during_warm_up(self) -> None:
         """Engine.warm_up's `between`: the pipe, read between compiles, so a server stopped
-        while it compiles does not wait for the last compile. Submits, cancels and a shutdown
-        are handled at once (a shutdown stops the warm-up at its next request); other calls
-        wait until the warm-up ended, and a close stops it as a shutdown without draining
-        would (close frees the cache the warm-up steps on)."""
+        while it compiles does not wait for the last compile. Every message waits, in order,
+        until the warm-up ended (a request submitted now must neither run inside the warm-up,
+        where its cancel would go unread, nor take a bucket's compile or a queue place from
+        it); a shutdown or a close ends the warm-up at once (WarmUpStopped), then runs."""
         while self.conn.poll(0):
             message = self.conn.recv()
-            if message[0] == "call" and message[2] != "shutdown":
-                self.deferred.append(message)
-                if message[2] == "close":
-                    self.engine.shutdown(drain=False)
-            else:
-                self.handle(message)
+            self.deferred.append(message)
+            if message[0] == "call" and message[2] in ("shutdown", "close"):
+                raise WarmUpStopped(f"warm_up: stopped by a {message[2]} before it ended")
 
     def call(self, call: int, what: str, *args: Any) -> None:
         """Runs a call (warm_up, shutdown, close) and acknowledges it with its error, if any;
