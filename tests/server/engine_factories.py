@@ -3,6 +3,7 @@ spawned process unpickles its factory by module and name, so they live in a modu
 no other test directory has (every directory's `conftest` is a different module)."""
 
 import dataclasses
+import time
 
 import jax_kv.models as jm
 from jax_kv.engine import Engine
@@ -47,6 +48,23 @@ def make_engine(model, **kw):
     kw.setdefault("max_len", 256)
     kw.setdefault("prefill_chunk_tokens", 32)
     return Engine(model, arena=EagerArena(), **kw)
+
+
+def slowed(engine, prefill_s=0.0, decode_s=0.0):
+    """The engine with every prefill call and every decode call sleeping first (a warm-up or
+    a request long enough to stop, submit or cancel during it); returns it."""
+    prefill, decode = engine._run_prefill, engine._run_decode
+
+    def slow_prefill(*args, **kw):
+        time.sleep(prefill_s)
+        return prefill(*args, **kw)
+
+    def slow_decode(*args, **kw):
+        time.sleep(decode_s)
+        return decode(*args, **kw)
+
+    engine._run_prefill, engine._run_decode = slow_prefill, slow_decode
+    return engine
 
 
 def failing_engine():

@@ -12,7 +12,7 @@ import time
 
 import pytest
 from conftest import request, running
-from engine_factories import MODEL_NAME, broken_engine, chat_engine, failing_engine
+from engine_factories import MODEL_NAME, broken_engine, chat_engine, failing_engine, slowed
 
 from jax_kv.decode.sampling import Sampling
 from jax_kv.engine import FINISH_CANCELLED, FINISH_ERROR, EngineError, QueueFull
@@ -163,15 +163,7 @@ SLOW_PREFILL_S = 1.5  # per prefill call of the warm-up below: >= 7 calls, >= 10
 def engine_slow_warm_up():
     """Every prefill call sleeps first: a warm-up long enough that a stop during it shows
     whether the engine's process read the pipe between compiles (buckets 16 .. 256)."""
-    e = tiny_engine(max_slots=2, prefill_chunk_tokens=256)
-    run = e._run_prefill
-
-    def slow(*args, **kw):
-        time.sleep(SLOW_PREFILL_S)
-        return run(*args, **kw)
-
-    e._run_prefill = slow
-    return e
+    return slowed(tiny_engine(max_slots=2, prefill_chunk_tokens=256), prefill_s=SLOW_PREFILL_S)
 
 
 @pytest.mark.parametrize("stop", ["shutdown", "close"])

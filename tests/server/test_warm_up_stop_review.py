@@ -9,7 +9,7 @@ import os
 import threading
 import time
 
-from engine_factories import chat_engine
+from engine_factories import chat_engine, slowed
 
 import jax_kv.server.engine_process as engine_process
 from jax_kv.engine import FINISH_CANCELLED, EngineError
@@ -24,18 +24,7 @@ def engine_slow_warm_up_and_decode():
     """Every prefill call sleeps SLOW_PREFILL_S (a warm-up long enough to submit during it),
     every decode call SLOW_DECODE_S (a request of LONG tokens outlasts any stop margin)."""
     e = chat_engine(max_slots=2, prefill_chunk_tokens=256)
-    prefill, decode = e._run_prefill, e._run_decode
-
-    def slow_prefill(*args, **kw):
-        time.sleep(SLOW_PREFILL_S)
-        return prefill(*args, **kw)
-
-    def slow_decode(*args, **kw):
-        time.sleep(SLOW_DECODE_S)
-        return decode(*args, **kw)
-
-    e._run_prefill, e._run_decode = slow_prefill, slow_decode
-    return e
+    return slowed(e, prefill_s=SLOW_PREFILL_S, decode_s=SLOW_DECODE_S)
 
 
 MARKER_ENV = "JAX_KV_WARM_UP_REVIEW_MARKER"
@@ -84,6 +73,17 @@ def _streaming(r, timeout=20):
     assert r.completion is None, f"the request ended before it streamed: {r.completion}"
 
 
+def _streaming_during_the_warm_up(ep):
+    """ep.warm_up() on a thread, a request of LONG tokens submitted during it (0.5 s in: the
+    warm-up's first prefill call), waited for until it streams; returns (thread, outcome,
+    request)."""
+    t, warm = _warming(ep)
+    time.sleep(0.5)
+    r = ep.submit([1, 2, 3], LONG, stop_token_ids=[])
+    _streaming(r)
+    return t, warm, r
+
+
 def _kill(ep):
     if ep._process.is_alive():
         ep._process.kill()
@@ -100,10 +100,7 @@ def test_a_cancel_of_a_request_submitted_during_the_warm_up_is_read_before_it_en
     step, warm-up or not.)"""
     ep = EngineProcess(engine_slow_warm_up_and_decode)
     try:
-        t, warm = _warming(ep)
-        time.sleep(0.5)  # the warm-up is in its first prefill call
-        r = ep.submit([1, 2, 3], LONG, stop_token_ids=[])
-        _streaming(r)  # read at the next warm-up request, now served inside the warm-up
+        t, warm, r = _streaming_during_the_warm_up(ep)
         r.cancel()
         deadline = time.monotonic() + 28
         while r.completion is None and time.monotonic() < deadline:
@@ -131,10 +128,7 @@ def test_a_close_during_the_warm_up_is_not_held_up_by_a_request_submitted_during
     monkeypatch.setattr(engine_process, "_JOIN_S", 5.0)
     ep = EngineProcess(engine_slow_warm_up_and_decode)
     try:
-        t, warm = _warming(ep)
-        time.sleep(0.5)  # the warm-up is in its first prefill call
-        r = ep.submit([1, 2, 3], LONG, stop_token_ids=[])
-        _streaming(r)  # read at the next warm-up request, now served inside the warm-up
+        t, warm, r = _streaming_during_the_warm_up(ep)
         error = None
         try:
             ep.close()
@@ -187,15 +181,7 @@ def test_a_request_submitted_during_the_warm_up_is_not_refused_for_the_warm_ups_
 def engine_slow_prefill():
     """Every prefill call sleeps SLOW_PREFILL_S: the warm-up's requests (buckets 16 .. 256,
     one call each) are >= 1 s apart."""
-    e = chat_engine(max_slots=2, prefill_chunk_tokens=256)
-    prefill = e._run_prefill
-
-    def slow_prefill(*args, **kw):
-        time.sleep(SLOW_PREFILL_S)
-        return prefill(*args, **kw)
-
-    e._run_prefill = slow_prefill
-    return e
+    return slowed(chat_engine(max_slots=2, prefill_chunk_tokens=256), prefill_s=SLOW_PREFILL_S)
 
 
 def test_a_request_submitted_during_the_warm_up_does_not_take_a_buckets_compile_away():
