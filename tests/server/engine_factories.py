@@ -67,6 +67,15 @@ def slowed(engine, prefill_s=0.0, decode_s=0.0):
     return engine
 
 
+SLOW_PREFILL_S = 1.5  # per prefill call of engine_slow_warm_up: >= 7 calls, >= 10.5 s in all
+
+
+def engine_slow_warm_up():
+    """Every prefill call sleeps first: a warm-up long enough that a stop during it shows
+    whether the engine's process read the pipe between compiles (buckets 16 .. 256)."""
+    return slowed(chat_engine(max_slots=2, prefill_chunk_tokens=256), prefill_s=SLOW_PREFILL_S)
+
+
 def failing_engine():
     raise ValueError("max_slots: expected an int >= 1, got 0 (a build that fails)")
 

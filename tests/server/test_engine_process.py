@@ -12,7 +12,14 @@ import time
 
 import pytest
 from conftest import request, running
-from engine_factories import MODEL_NAME, broken_engine, chat_engine, failing_engine, slowed
+from engine_factories import (
+    MODEL_NAME,
+    SLOW_PREFILL_S,
+    broken_engine,
+    chat_engine,
+    engine_slow_warm_up,
+    failing_engine,
+)
 
 from jax_kv.decode.sampling import Sampling
 from jax_kv.engine import FINISH_CANCELLED, FINISH_ERROR, EngineError, QueueFull
@@ -155,15 +162,6 @@ def test_the_server_streams_the_engine_processs_tokens_and_exports_its_counters(
         assert steps and float(steps[0].split()[-1]) > 0
     remote.close()  # the app's shutdown drained it
     assert remote._process.exitcode == 0
-
-
-SLOW_PREFILL_S = 1.5  # per prefill call of the warm-up below: >= 7 calls, >= 10.5 s in all
-
-
-def engine_slow_warm_up():
-    """Every prefill call sleeps first: a warm-up long enough that a stop during it shows
-    whether the engine's process read the pipe between compiles (buckets 16 .. 256)."""
-    return slowed(tiny_engine(max_slots=2, prefill_chunk_tokens=256), prefill_s=SLOW_PREFILL_S)
 
 
 @pytest.mark.parametrize("stop", ["shutdown", "close"])
