@@ -2,7 +2,7 @@
 # One device call: build the CUDA module, run the GPU tests, run the benchmarks. Logs go to
 # $OUT (or ./device-out). Each stage has its own time limit so the whole fits one call.
 #   bash scripts/device_run.sh [stages...]   stages: build ops ops-off gen cache attn generate profile san pytests
-#     prefill-profile failsafe vmm-san soak serving prefill-bench serve serve-prefix serve-http issue20
+#     prefill-profile failsafe vmm-probe vmm-san soak serving prefill-bench serve serve-prefix serve-http issue20
 #     issue20-gen engine-step branch-prebuild branch (BRANCH_TESTS, BRANCH_CMD)
 # SERVE_ARGS passes options to bench/serve.py (e.g. "--profile 30").
 # GEN_MODELS, GEN_BATCH, GEN_TOKENS, GEN_IMPLS, GEN_TIMEOUT set bench/generate.py's run.
@@ -87,6 +87,18 @@ for s in $STAGES; do
       timeout -k 10 ${FS_TIMEOUT:-200} python3 -m pytest tests/decode/test_generator_failsafe.py \
         tests/ops/test_committed_bound.py tests/memory/test_zero_granule.py -q -p no:cacheprovider \
         -p no:benchmark -rs 2>&1 | tee "$OUT/failsafe.log" | tail -12 ;;
+    vmm-probe)
+      # bench/experiments/sanitizer_multimap.py (no build needed): the arena's VMM patterns with
+      # cuda-python and CuPy only, natively, then under compute-sanitizer with each option set;
+      # the last step a run printed names the pattern the tool did not survive.
+      stage "VMM patterns under compute-sanitizer, without jax_kv"
+      P=bench/experiments/sanitizer_multimap.py
+      timeout -k 5 60 python3 $P > "$OUT/vmm_probe_native.log" 2>&1; echo "native: exit $?, last: $(tail -1 "$OUT/vmm_probe_native.log")"
+      for opts in "" "--check-api-memory-access no" "--force-blocking-launches"; do
+        log="$OUT/vmm_probe_san_$(echo "${opts:-default}" | tr -c 'a-z' _).log"
+        timeout -k 5 ${VPROBE_TIMEOUT:-90} compute-sanitizer --tool memcheck --report-api-errors no $opts python3 $P > "$log" 2>&1
+        echo "sanitizer [${opts:-default}]: exit $?, last: $(grep -v '^=========' "$log" | tail -1)"
+      done ;;
     vmm-san)
       # --report-api-errors no: cuda-python probes driver symbols through cuGetProcAddress and
       # the misses are reported as API errors (20 per process), not memory errors.
