@@ -102,22 +102,15 @@ for s in $STAGES; do
     vmm-san)
       # --report-api-errors no: cuda-python probes driver symbols through cuGetProcAddress and
       # the misses are reported as API errors (20 per process), not memory errors.
-      # XLA's GEMM autotuning (off here: VSAN_XLA_FLAGS) launches hundreds of candidate kernels,
-      # each slowed by the instrumentation. Command buffers are off too: plain launches run the
-      # same kernels, and graph capture under the sanitizer is one suspect for the time (not
-      # measured). VSAN_FILTER (e.g. "--kernel-name kns=Gqa") checks
-      # only matching kernels and runs the rest natively: the engine's prefix test did not end
-      # in 500 s with every kernel checked (2026-12-06, fourth session). Output goes to a file,
-      # not a pipe: at the limit `timeout` ends compute-sanitizer but the Python it launched
-      # lived on, holding tee's pipe, and the stage outlasted its limit; the leftovers are
-      # killed after it.
-      # VSAN_STACKS=S: every S seconds the tests' Python prints all its threads' stacks (a
-      # sitecustomize): where the time goes, even in a run the limit cuts.
-      # VSAN_OPTS: more compute-sanitizer options. The tool (2025.3.1) segfaulted in its own
-      # process a few seconds into every engine test on the H100 (2026-12-06, fifth session);
-      # "--check-api-memory-access no" let the 2-slot prefix test through clean in 7.7 s, the
-      # 4-slot one still crashed it. "--force-blocking-launches" is the next try (cudf's CI
-      # answer to sanitizer segfaults it traced to the tool's own memory).
+      # VSAN_XLA_FLAGS (default: XLA's autotuning and command buffers off) spares the tool
+      # hundreds of candidate GEMMs and graph capture. VSAN_FILTER (e.g. "--kernel-name
+      # kns=Gqa") checks only matching kernels. VSAN_OPTS: more options. compute-sanitizer
+      # 2025.3.1 segfaulted in its own process a few seconds into every engine test on the H100
+      # (2026-12-06, fifth session); with "--check-api-memory-access no" and the Gqa filter the
+      # 2-slot prefix test ran clean in 7.7 s, the 4-slot one still crashed it;
+      # "--force-blocking-launches" is the next try. Output goes to a file, not a pipe (at the
+      # limit the Python the tool launched outlived it and held tee's pipe); leftovers are
+      # killed after it. VSAN_STACKS=S: the tests' Python prints its threads' stacks every S s.
       stage "compute-sanitizer memcheck: VMM (zero granule), committed bound"
       pp=${PYTHONPATH:-}
       if [ -n "${VSAN_STACKS:-}" ]; then

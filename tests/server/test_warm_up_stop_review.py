@@ -9,7 +9,7 @@ import os
 import threading
 import time
 
-from engine_factories import chat_engine, slowed
+from engine_factories import chat_engine, engine_slow_warm_up, slowed
 
 import jax_kv.server.engine_process as engine_process
 from jax_kv.engine import FINISH_CANCELLED, EngineError
@@ -178,20 +178,14 @@ def test_a_request_submitted_during_the_warm_up_is_not_refused_for_the_warm_ups_
         _kill(ep)
 
 
-def engine_slow_prefill():
-    """Every prefill call sleeps SLOW_PREFILL_S: the warm-up's requests (buckets 16 .. 256,
-    one call each) are >= 1 s apart."""
-    return slowed(chat_engine(max_slots=2, prefill_chunk_tokens=256), prefill_s=SLOW_PREFILL_S)
-
-
 def test_a_request_submitted_during_the_warm_up_does_not_take_a_buckets_compile_away():
     """warm_up sends one request per prefill bucket (16, 32, 64, 128, 256) so that every
     bucket is compiled before the server is ready. A request submitted during it (here
-    0.5 s in: read at the 16- or 32-token bucket's request, >= 1.5 s before the 64's) now
+    0.5 s in: read at the 16- or 32-token bucket's request, >= 2 s before the 64's) now
     joins the queue at once and is packed into that bucket's call (n + 3 tokens: bucket 2n):
     bucket n is never compiled, and the first request that needs it after the warm-up waits
     for the compile. Before 5164fbf the submit was read after the warm-up."""
-    ep = EngineProcess(engine_slow_prefill)
+    ep = EngineProcess(engine_slow_warm_up)  # prefill calls 1.5 s apart
     try:
         t, warm = _warming(ep)
         time.sleep(0.5)  # the warm-up is in its first prefill call (bucket 16)
