@@ -6,8 +6,8 @@ A block is `SlotCache.block_tokens` tokens (the fewest that fill whole granules:
 Llama-3-8B's 8x128 bf16 heads, 8,192 for Qwen2.5-0.5B's 2x64, on a 2 MiB granule). Blocks are
 indexed by a chained hash (block k's key hashes block k-1's key with its own tokens), and a hit
 is confirmed by comparing the tokens and the parent block, never by the hash alone. Blocks no
-running slot maps are evicted least recently used first among the chains' leaves (as SGLang's
-radix cache evicts), so a prefix loses its tail before its root.
+running slot maps are evicted partial blocks first, then least recently used first among the
+chains' leaves (as SGLang's radix cache evicts), so a prefix loses its tail before its root.
 """
 
 from __future__ import annotations
@@ -162,16 +162,27 @@ class PrefixCache:
         return freed
 
     def _victim(self, also: Callable[[Block], bool]) -> Block | None:
-        """The least recently used evictable block passing `also`, a leaf first: a chain's
-        root is touched before its tail but is worth more (every longer prefix needs it), and
-        dropping a block drops every block cached after it."""
-        fallback = None
+        """The evictable block passing `also` to drop next: the least recently used partial
+        block, else the least recently used leaf, else the least recently used block.
+
+        A partial block costs a whole block's memory for fewer tokens and serves only the
+        request that continues its writer exactly (a chat turn, which without it prefills at
+        most one block again); a full block serves every request that shares the prefix up to
+        it. Measured (H100, 64 groups x 4 prompts at 4 requests/s, cache capped at one copy of
+        every group's system prompt): in plain LRU order the ended requests' partial blocks
+        pushed the system prompts out between a group's requests, and 10.7% of the prompts'
+        tokens hit. Among full blocks a leaf goes first: a chain's root is touched before its
+        tail but is worth more (every longer prefix needs it), and dropping a block drops
+        every block cached after it."""
+        leaf = fallback = None
         for block in self.by_store.values():
             if self._evictable(block) and also(block):
-                if not block.children:
+                if block.partial:
                     return block
+                if leaf is None and not block.children:
+                    leaf = block
                 fallback = fallback or block
-        return fallback
+        return leaf or fallback
 
     def _evict_one(self) -> bool:
         victim = self._victim(lambda b: True)

@@ -192,6 +192,32 @@ def test_prefix_cache_bytes_caps_the_blocks_no_request_maps(model, generator, rn
         engine(model, arenas(), prefix_cache_bytes=-1)
 
 
+def test_partial_blocks_are_evicted_before_a_shared_prefix(model, generator, rng, arenas):
+    """Under the cap, the blocks requests ended in (partial) go before full blocks, even
+    more recently used ones: a system prompt (2 blocks) outlives two requests' tails and a
+    later request of its group hits both of its blocks. In plain LRU order the first tail
+    goes, then the prompt's second block (a leaf older than the other request's blocks)."""
+    vocab = model.config.vocab_size
+    block_bytes = BLOCK * 512 * 2 * model.config.num_layers
+    system = [int(t) for t in rng.integers(3, vocab, 2 * BLOCK)]
+    other = [int(t) for t in rng.integers(3, vocab, BLOCK + 4)]  # 1 block + a tail
+    first, last = (system + [int(t) for t in rng.integers(3, vocab, 4)] for _ in range(2))
+    with engine(model, arenas(), max_slots=2, prefix_cache_bytes=3 * block_bytes) as eng:
+        reqs = []
+        for p in (first, other):
+            reqs.append(eng.submit(p, 4, stop_token_ids=[]))
+            eng.run_until_idle()
+            eng.check_memory()
+            assert eng.cache.cached_only_bytes <= 3 * block_bytes
+        assert eng.prefix.stats.evicted_blocks > 0
+        hits = eng.prefix.stats.hit_tokens
+        reqs.append(eng.submit(last, 4, stop_token_ids=[]))
+        eng.run_until_idle()
+        assert eng.prefix.stats.hit_tokens - hits == 2 * BLOCK
+    for p, r in zip((first, other, last), reqs, strict=True):
+        assert r.result().tokens == generator.generate([p], 4, stop_tokens=[]).tokens[0]
+
+
 def test_cancel_and_preempt_while_blocks_are_shared(model, generator, rng, arenas):
     vocab = model.config.vocab_size
     prefix = [int(t) for t in rng.integers(3, vocab, 2 * BLOCK)]
