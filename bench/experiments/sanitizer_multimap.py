@@ -8,11 +8,16 @@ the sanitizer names the pattern it does not survive:
   1. one physical granule mapped read-write at one address and read-only at 2, 3, 4 more;
   2. one mapping of it unmapped while the others stay, then the handle released while mapped;
   3. the zero-granule pattern: one granule mapped read-only at 8 consecutive granules of one
-     reservation, one cuMemSetAccess over the 8, then one of them replaced by a fresh granule.
+     reservation, one cuMemSetAccess over the 8, then one of them replaced by a fresh granule;
+  4. the arena's scale: a reservation of PROBE_RESERVE_GIB (1,024: the arena reserves up to 16x
+     device memory) with the zero granule mapped at 64, 512, 4,096 and 16,384 granules (the
+     4-slot prefix test maps thousands), each read by a kernel; then freed and reserved again.
 
     python3 bench/experiments/sanitizer_multimap.py
     compute-sanitizer --tool memcheck python3 bench/experiments/sanitizer_multimap.py
 """
+
+import os
 
 import cupy as cp
 from cuda.bindings import driver as cu
@@ -107,6 +112,26 @@ def main():
         check(cu.cuMemRelease(h))
     check(cu.cuMemAddressFree(base, 8 * g))
     check(cu.cuMemAddressFree(scratch, g))
+    big = int(os.environ.get("PROBE_RESERVE_GIB", "1024")) << 30
+    zero = check(cu.cuMemCreate(g, prop, 0))
+    for again in range(2):
+        base = int(check(cu.cuMemAddressReserve(big, 0, 0, 0)))
+        mapped = 0
+        for n in (64, 512, 4096, 16384):
+            step(
+                f"4. reservation {big >> 30} GiB{' (again)' if again else ''}: the zero granule "
+                f"at {n} granules, one access call, a kernel reads them"
+            )
+            for i in range(mapped, n):
+                check(cu.cuMemMap(base + i * g, g, 0, zero, 0))
+            access(base + mapped * g, (n - mapped) * g, read_only=True)
+            mapped = n
+            assert float(view(base, n * g)[:: 1 << 12].sum()) == 0.0
+        step(f"4. unmap {mapped} granules, free the reservation")
+        for i in range(mapped):
+            check(cu.cuMemUnmap(base + i * g, g))
+        check(cu.cuMemAddressFree(base, big))
+    check(cu.cuMemRelease(zero))
     step("done: every pattern ran")
 
 
