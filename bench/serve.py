@@ -652,7 +652,12 @@ def main() -> None:
     ap.add_argument(
         "--rates", default="4,8,16,inf", help="requests/s, comma-separated; inf: offline"
     )
-    ap.add_argument("--engines", default="jax_kv,dense,static")
+    ap.add_argument(
+        "--engines",
+        default=None,
+        help="comma-separated (default: jax_kv,dense,static; multi-turn: jax_kv,jax_kv-noprefix, "
+        "the only two it runs)",
+    )
     ap.add_argument("--prompt-median", type=int, default=300)
     ap.add_argument("--prompt-max", type=int, default=8192)
     ap.add_argument("--output-median", type=int, default=200)
@@ -709,7 +714,12 @@ def main() -> None:
         )
         print("|---|---|---|---|---|---|")
         results = {}
-        for name in args.engines.split(","):
+        names = (args.engines or "jax_kv,jax_kv-noprefix").split(",")
+        if unknown := set(names) - {"jax_kv", "jax_kv-noprefix"}:
+            ap.error(
+                f"--engines: multi-turn runs jax_kv and jax_kv-noprefix, not {sorted(unknown)}"
+            )
+        for name in names:
             m = run_multiturn(model, args, None if name == "jax_kv" else False)
             results[name] = m
             print(
@@ -725,7 +735,7 @@ def main() -> None:
             print(f"wrote {path}")
         return
     wl = make_workload(rng, args, config.vocab_size)
-    engines = args.engines.split(",")
+    engines = (args.engines or "jax_kv,dense,static").split(",")
     static_rates = set(args.static_rates.split(","))
     results: dict[str, dict] = {}
     meta = dict(vars(args), out=str(args.out), backend=jax.default_backend(),

@@ -311,10 +311,11 @@ class Engine:
             blocks of granules mapped into each slot, jax_kv.engine.prefix); needs a
             VmmArena; default: on where the arena is one.
         prefix_cache_bytes: the most KV bytes the prefix cache may keep in blocks no running
-            request maps (finished requests' prompts and outputs), least recently used evicted
-            first when a request ends; default None: kept until admission needs the memory
-            (as vLLM and SGLang keep them). 0 keeps none: committed memory then follows the
-            running requests alone, and requests share only blocks that are running.
+            request maps (finished requests' prompts and outputs), evicted when a request
+            ends in PrefixCache's order (partial blocks first, then least recently used);
+            default None: kept until admission needs the memory (as vLLM and SGLang keep
+            them). 0 keeps none: committed memory then follows the running requests alone,
+            and requests share only blocks that are running.
     """
 
     def __init__(
@@ -818,7 +819,10 @@ class Engine:
                     hits, partial = self._lookup(seq)  # the release may have evicted some
             if partial is not None and self.cache.block_bytes > self.cache.available_bytes():
                 self._retire()  # the memory ended requests still hold
-                if self.cache.block_bytes > self.cache.available_bytes():
+                # Their release trims the prefix cache to its cap, which may drop the blocks
+                # just looked up (a partial block goes first): look up again before mapping.
+                hits, partial = self._lookup(seq)
+                if partial is not None and self.cache.block_bytes > self.cache.available_bytes():
                     partial = None  # its private copy does not fit: its tokens are prefilled
             start = len(hits) * self.cache.block_tokens + (len(partial.tokens) if partial else 0)
             n = min(seq.prefill_target - start, room)
@@ -966,7 +970,7 @@ class Engine:
             self.stats.release_beside_step_seconds += time.perf_counter() - t0
 
     def _trim_prefix(self) -> None:
-        """Evicts least recently used blocks no running request maps past
+        """Evicts blocks no running request maps (PrefixCache's order) past
         prefix_cache_bytes (a request's end makes the blocks it wrote such blocks)."""
         if self.prefix is None or self.prefix_cache_bytes is None:
             return

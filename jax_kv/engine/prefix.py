@@ -7,7 +7,8 @@ Llama-3-8B's 8x128 bf16 heads, 8,192 for Qwen2.5-0.5B's 2x64, on a 2 MiB granule
 indexed by a chained hash (block k's key hashes block k-1's key with its own tokens), and a hit
 is confirmed by comparing the tokens and the parent block, never by the hash alone. Blocks no
 running slot maps are evicted partial blocks first, then least recently used first among the
-chains' leaves (as SGLang's radix cache evicts), so a prefix loses its tail before its root.
+chains' leaves, so a prefix loses its tail before its root (SGLang's radix cache evicts its
+leaves least recently used, with no partial-first tier; vLLM caches full blocks only).
 """
 
 from __future__ import annotations
@@ -166,14 +167,16 @@ class PrefixCache:
         block, else the least recently used leaf, else the least recently used block.
 
         A partial block costs a whole block's memory for fewer tokens and serves only the
-        request that continues its writer exactly (a chat turn, which without it prefills at
-        most one block again); a full block serves every request that shares the prefix up to
-        it. Measured (H100, 64 groups x 4 prompts at 4 requests/s, cache capped at one copy of
-        every group's system prompt): in plain LRU order the ended requests' partial blocks
-        pushed the system prompts out between a group's requests, and 10.7% of the prompts'
-        tokens hit. Among full blocks a leaf goes first: a chain's root is touched before its
-        tail but is worth more (every longer prefix needs it), and dropping a block drops
-        every block cached after it."""
+        request that continues its writer exactly (a chat turn); a full block serves every
+        request that shares the prefix up to it. Measured (H100, 64 groups x 4 prompts at 4
+        requests/s, cache capped at one copy of every group's system prompt): in plain LRU
+        order the ended requests' partial blocks pushed the system prompts out between a
+        group's requests, and 10.7% of the prompts' tokens hit. The cost: under a cap that is
+        reached, a chat's next turn prefills again the partial block its previous turn ended
+        in (up to block_tokens - 1 tokens: 1,023 for Llama-3-8B, 8,191 for Qwen2.5-0.5B).
+        Among full blocks a leaf goes first: a chain's root is touched before its tail but is
+        worth more (every longer prefix needs it), and dropping a block drops every block
+        cached after it."""
         leaf = fallback = None
         for block in self.by_store.values():
             if self._evictable(block) and also(block):
@@ -205,7 +208,7 @@ class PrefixCache:
         return dropped
 
     def evict_for(self, nbytes: int) -> int:
-        """Evicts least recently used blocks no slot maps until `nbytes` of physical memory
+        """Evicts blocks no slot maps (in `_victim`'s order) until `nbytes` of physical memory
         are freed (or none is left to evict); returns the bytes freed. Blocks whose slot still
         holds their granules free nothing and are kept."""
         freed = 0

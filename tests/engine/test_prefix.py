@@ -1,10 +1,10 @@
-"""The engine's prefix cache (issue 23, item 2) on the host driver's VmmArena (CI's stand-in
-for the CUDA one: the same share, refcount and unmap paths): requests that start with cached
-blocks map the store's granules into their slots and prefill only the rest; greedy tokens
-equal the cache off and Generator alone; a request that diverges after a shared block never
-changes another's tokens; a slot mapping a shared block reads the writer's values; unused
-blocks are evicted least recently used under memory pressure; after close every handle is
-released and the fault counters are zero."""
+"""The engine's prefix cache (issue 23, item 2) on the host driver's VmmArena (CI's stand-in for the
+CUDA one: the same share, refcount and unmap paths): requests that start with cached blocks map the
+store's granules into their slots and prefill only the rest; greedy tokens equal the cache off and
+Generator alone; a request that diverges after a shared block never changes another's tokens; a slot
+mapping a shared block reads the writer's values; unused blocks are evicted under memory pressure
+(partial blocks first, then least recently used); after close every handle is released and the fault
+counters are zero."""
 
 import numpy as np
 import pytest
@@ -158,9 +158,9 @@ def test_unused_blocks_are_evicted_under_memory_pressure(model, generator, rng, 
 
 
 def test_prefix_cache_bytes_caps_the_blocks_no_request_maps(model, generator, rng, arenas):
-    """prefix_cache_bytes: after every request's end the blocks no running request maps
-    hold at most the cap (least recently used evicted first); 0 keeps none, so committed
-    memory follows the running requests alone; tokens are unchanged; a cap of two blocks
+    """prefix_cache_bytes: after every request's end the blocks no running request maps hold at most
+    the cap (partial blocks, then least recently used ones, evicted first); 0 keeps none, so
+    committed memory follows the running requests alone; tokens are unchanged; a cap of two blocks
     still serves the most recent prompt's blocks."""
     vocab = model.config.vocab_size
     bindings = 2 * model.config.num_layers
@@ -216,6 +216,41 @@ def test_partial_blocks_are_evicted_before_a_shared_prefix(model, generator, rng
         assert eng.prefix.stats.hit_tokens - hits == 2 * BLOCK
     for p, r in zip((first, other, last), reqs, strict=True):
         assert r.result().tokens == generator.generate([p], 4, stop_tokens=[]).tokens[0]
+
+
+@pytest.mark.parametrize("cap_blocks", [0, 2])
+def test_a_chat_turn_admitted_as_ended_requests_release_its_blocks(
+    model, generator, rng, arenas, cap_blocks
+):
+    """A chat turn whose partial block's copy does not fit makes admission release the ended
+    requests' slots first; that release trims the cache to its cap and may drop the very
+    blocks the turn looked up (found in review: the turn then mapped a dropped store block,
+    KeyError). The turn must look up again; its tokens equal Generator's. Cap 2 blocks: the
+    turn continues an older chat while another request's slot is being released; cap 0: it
+    continues the request whose slot is being released."""
+    vocab = model.config.vocab_size
+    block = BLOCK * 512 * 2 * model.config.num_layers
+    first = [int(t) for t in rng.integers(3, vocab, BLOCK + 4)]
+    budget = (5 if cap_blocks else 3) * block
+    with engine(model, arenas(), max_slots=2, kv_budget_bytes=budget,
+                prefix_cache_bytes=cap_blocks * block) as eng:  # fmt: skip
+        a = eng.submit(first, 3 if cap_blocks else 20, stop_token_ids=[])
+        if cap_blocks:  # a ends; another request runs and ends
+            eng.run_until_idle()
+            other = eng.submit([int(t) for t in rng.integers(3, vocab, 2 * BLOCK + 8)], 8,
+                               stop_token_ids=[])  # fmt: skip
+            ending = other
+        else:
+            ending = a
+        while not ending.done:
+            eng.step()
+        assert eng._retiring  # the ended slot is released by the next step's admission
+        turn = first + a.result().tokens + [7]
+        c = eng.submit(turn, 4, stop_token_ids=[])
+        while eng.has_work():
+            eng.step()
+            eng.check_memory()
+    assert c.result().tokens == generator.generate([turn], 4, stop_tokens=[]).tokens[0]
 
 
 def test_cancel_and_preempt_while_blocks_are_shared(model, generator, rng, arenas):
