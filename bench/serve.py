@@ -690,6 +690,12 @@ def main() -> None:
         help="print the top N functions of a cProfile of the Engine's steps",
     )
     args = ap.parse_args()
+    multi_turn = args.workload == "multi-turn"
+    args.engines = args.engines or (
+        "jax_kv,jax_kv-noprefix" if multi_turn else "jax_kv,dense,static"
+    )
+    if multi_turn and (unknown := set(args.engines.split(",")) - {"jax_kv", "jax_kv-noprefix"}):
+        ap.error(f"--engines: multi-turn runs jax_kv and jax_kv-noprefix, not {sorted(unknown)}")
 
     config = dataclasses.replace(
         jm.PRESETS[args.model],
@@ -714,12 +720,7 @@ def main() -> None:
         )
         print("|---|---|---|---|---|---|")
         results = {}
-        names = (args.engines or "jax_kv,jax_kv-noprefix").split(",")
-        if unknown := set(names) - {"jax_kv", "jax_kv-noprefix"}:
-            ap.error(
-                f"--engines: multi-turn runs jax_kv and jax_kv-noprefix, not {sorted(unknown)}"
-            )
-        for name in names:
+        for name in args.engines.split(","):
             m = run_multiturn(model, args, None if name == "jax_kv" else False)
             results[name] = m
             print(
@@ -735,7 +736,7 @@ def main() -> None:
             print(f"wrote {path}")
         return
     wl = make_workload(rng, args, config.vocab_size)
-    engines = (args.engines or "jax_kv,dense,static").split(",")
+    engines = args.engines.split(",")
     static_rates = set(args.static_rates.split(","))
     results: dict[str, dict] = {}
     meta = dict(vars(args), out=str(args.out), backend=jax.default_backend(),

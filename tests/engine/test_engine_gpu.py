@@ -177,10 +177,13 @@ def real_gguf():
     carried, see bench/NOTES.md)."""
     import os
 
-    from jax_kv.models.loading import _find_default_gguf
-
     path = os.environ.get("JAX_KV_TEST_GGUF")
-    return path if path and os.path.isfile(path) else _find_default_gguf()
+    if path and os.path.isfile(path):
+        return path
+    try:
+        return jm.default_gguf_path(install=False)
+    except FileNotFoundError:
+        return None
 
 
 SUBJECTS = ["the ocean", "a lighthouse keeper", "prime numbers", "the French revolution",
