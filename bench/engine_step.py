@@ -112,9 +112,17 @@ def engine_decode(eng: Engine):
 
     def call(params, tokens, caches, lengths, committed):
         logits, _, caches, _ = eng._decode(params, tokens, caches, lengths, committed)
-        return eng._greedy(logits), caches
+        return greedy(eng, logits), caches
 
     return call
+
+
+def greedy(eng: Engine, logits):
+    """The Engine's argmax picker as it calls it: the tokens written into its `tokens` input
+    in place (donated, taken back), the picked tokens returned."""
+    field, picked = eng._greedy(logits, eng._inputs["tokens"])
+    eng._inputs.replace("tokens", field)
+    return picked
 
 
 def bare_decode(eng: Engine):
@@ -211,7 +219,7 @@ def call_prefill(eng: Engine, name: str, holder: list, n: int) -> None:
             eng.params, inputs[name], inputs["cu_seqlens"], holder[0], inputs["lengths"],
             eng.cache.committed, inputs["tokens"], inputs["bound"],
         )  # fmt: skip
-        holder[1] = eng._greedy(logits)
+        holder[1] = greedy(eng, logits)
     jax.block_until_ready(holder[1])
 
 

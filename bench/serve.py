@@ -169,11 +169,13 @@ def prefix_cache_bytes(args) -> int | None:
     return None if args.prefix_cache_gib is None else int(args.prefix_cache_gib * 2**30)
 
 
-def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> dict:
+def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None,
+               decode_ahead: bool = True) -> dict:  # fmt: skip
     eng = Engine(
         model, max_slots=args.slots, max_len=args.max_len,
         prefill_chunk_tokens=args.chunk, max_queue=len(wl.prompts) + 1, prefix_cache=prefix,
         arena=make_arena(args), prefix_cache_bytes=prefix_cache_bytes(args),
+        decode_ahead=decode_ahead,
     )  # fmt: skip
     try:
         eng.warm_up()
@@ -278,6 +280,10 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None) -> 
             decode_calls=s.decode_calls - s0.decode_calls,
             prefill_calls=s.prefill_calls - s0.prefill_calls,
             mixed_calls=s.mixed_calls - s0.mixed_calls,
+            # Decode calls dispatched before the previous call's tokens were read, and their
+            # rows computed for a request that had ended (Engine(decode_ahead)).
+            calls_ahead=s.calls_ahead - s0.calls_ahead,
+            wasted_rows=s.wasted_rows - s0.wasted_rows,
             peak_committed_kv_bytes=int(max(committed)),
             mean_committed_kv_bytes=float(np.mean(committed)),
             peak_held_kv_bytes=int(max(held)),
@@ -370,6 +376,12 @@ def unique_prompt_tokens(wl: Workload) -> int:
 
 def run_engine_no_prefix(model, wl: Workload, arrivals: np.ndarray, args) -> dict:
     return run_engine(model, wl, arrivals, args, prefix=False)
+
+
+def run_engine_serial(model, wl: Workload, arrivals: np.ndarray, args) -> dict:
+    """The Engine with every call waiting for the host between calls (no decode call
+    dispatched ahead): the comparator of Engine(decode_ahead), in the same run."""
+    return run_engine(model, wl, arrivals, args, decode_ahead=False)
 
 
 DENSE_HEADROOM_BYTES = 6 << 30  # XLA's temporaries: an 8k prefill's fresh cache, cuDNN's work
@@ -492,6 +504,8 @@ def print_row(rate: str, name: str, m: dict, args) -> None:
             f"{m['decode_compiles_after_warmup']}, prefill compiles "
             f"{m['prefill_compiles_after_warmup']}, picker compiles "
             f"{m.get('sampler_compiles_after_warmup', '-')}; preemptions {m['preemptions']}; "
+            f"decode calls dispatched ahead {m.get('calls_ahead', 0)} of "
+            f"{m['decode_calls']}, rows computed for ended requests {m.get('wasted_rows', 0)}; "
             f"scheduling {m['host_ms_per_step']:.2f} ms/step "
             f"({100 * m['host_fraction']:.1f}%"
             + (
@@ -655,8 +669,9 @@ def main() -> None:
     ap.add_argument(
         "--engines",
         default=None,
-        help="comma-separated (default: jax_kv,dense,static; multi-turn: jax_kv,jax_kv-noprefix, "
-        "the only two it runs)",
+        help="comma-separated of jax_kv, jax_kv-noprefix (the prefix cache off), jax_kv-serial "
+        "(no decode call dispatched ahead), dense, static (default: jax_kv,dense,static; "
+        "multi-turn: jax_kv,jax_kv-noprefix, the only two it runs)",
     )
     ap.add_argument("--prompt-median", type=int, default=300)
     ap.add_argument("--prompt-max", type=int, default=8192)
@@ -755,7 +770,8 @@ def main() -> None:
             if name == "static" and rate_name not in static_rates:
                 continue
             fn = {"jax_kv": run_engine, "jax_kv-noprefix": run_engine_no_prefix,
-                  "dense": run_dense, "static": run_static}[name]  # fmt: skip
+                  "jax_kv-serial": run_engine_serial, "dense": run_dense,
+                  "static": run_static}[name]  # fmt: skip
             row[name] = fn(model, wl, arrivals, args)
             print_row(rate_name, name, row[name], args)
             sys.stdout.flush()

@@ -147,8 +147,8 @@ def stub_device(
         return run
 
     engine._prefill, engine._decode = step_stub(3, True), step_stub(2, False)
-    engine._greedy = lambda logits: logits
-    engine._sampler = lambda logits, *a: logits
+    engine._greedy = lambda logits, tokens: (tokens, logits)  # (the tokens input, picked)
+    engine._sampler = lambda logits, *a: (a[-1], logits)
     engine._accept = lambda caches, verify: None
 
 

@@ -23,9 +23,16 @@ One engine step (`step()`), in Python between jitted calls:
    blocks the call is writing waits for them), then the rest of those slots released;
 5. tokens reach the requests (streamed), finished requests' slots wait for the next call.
 
-The per-call inputs sit at fixed device addresses on VMM (StepInputs), so XLA can replay each
-compiled step's recorded CUDA graph. A long prompt delays the running requests' next token by
-one chunk's compute at most, and never stops them.
+Where the next call is decode only and its rows are known before the call in flight's tokens
+are (no piece to prefill, no admission, no cancel), it is dispatched before the host reads them
+(decode_ahead, the default): its lengths are one more than each row's, its tokens are the ones
+the last call's picker wrote on the device. The device then goes from call to call without
+waiting for the host; a row whose request stops on the last call's token is computed once for
+nothing and its slot released after that call.
+
+The per-call inputs sit at fixed device addresses and are written in stream order (StepInputs),
+so XLA can replay each compiled step's recorded CUDA graph. A long prompt delays the running
+requests' next token by one chunk's compute at most, and never stops them.
 """
 
 from __future__ import annotations
@@ -118,6 +125,12 @@ class EngineStats:
     # waited for the host there (the work's excess over the call counts as the call's time).
     beside_overran: int = 0
     delivered_beside_call: int = 0  # tokens and endings handed to requests while a call ran
+    # Decode calls dispatched while the call before them ran, before its tokens were read
+    # (Engine._dispatch_next): the device went from one to the next without waiting for the
+    # host. Their rows whose request ended on the call before (a stop token, an error) were
+    # computed for nothing: wasted_rows counts them (their tokens are dropped).
+    calls_ahead: int = 0
+    wasted_rows: int = 0
     # A call's time (inside step_seconds, not host_seconds) in three: dispatching the step and
     # its picker (JAX's host work, until both are queued), the work beside it (beside_seconds),
     # and the wait for its tokens after that work (the device's remainder, and the copy).
@@ -267,6 +280,24 @@ class _Seq:
         return self.prompt[lo:n] + self.generated[max(0, lo - n) : hi - n]
 
 
+def _into(picked: jax.Array, tokens: jax.Array) -> jax.Array:
+    """picked, written over the donated `tokens` input in place. Every picked token is >= 0,
+    so this is `picked`; the `where` keeps `tokens` an operand, which XLA would otherwise drop
+    (and with it the aliasing that keeps the array's address)."""
+    return jnp.where(picked >= 0, picked, tokens)
+
+
+@dataclasses.dataclass(eq=False)
+class _Pending:
+    """A dispatched call whose tokens the host has not read yet."""
+
+    rows: list[_Seq]  # its decoding rows
+    counts: np.ndarray | None  # its prefill tokens per slot (None: a decode call)
+    out: jax.Array  # int32 [B]: the picked tokens
+    status: jax.Array  # int32 [B]: the attention ops' status per row
+    t0: float  # when it was dispatched (time.perf_counter)
+
+
 def _host(x: jax.Array) -> np.ndarray:
     """A replicated step output on the host: this process's copy (under a multi-process mesh
     the array is not fully addressable)."""
@@ -316,6 +347,11 @@ class Engine:
             default None: kept until admission needs the memory (as vLLM and SGLang keep
             them). 0 keeps none: committed memory then follows the running requests alone,
             and requests share only blocks that are running.
+        decode_ahead: dispatch the next decode call before reading this one's tokens, where
+            the next call is decode only and its rows are known (Engine._dispatch_next): the
+            device then runs call after call while the host reads, streams and plans one call
+            behind. A row whose request ends on a stop token is computed once more for
+            nothing. Default on; off, every call waits for the host between calls.
     """
 
     def __init__(
@@ -333,6 +369,7 @@ class Engine:
         prefix_cache: bool | None = None,
         prefix_cache_bytes: int | None = None,
         mesh: Any = None,
+        decode_ahead: bool = True,
     ) -> None:
         if not isinstance(model, DecoderModel):
             raise ValueError(
@@ -356,6 +393,7 @@ class Engine:
             )
         self.model = model
         self.mesh = mesh
+        self.decode_ahead = bool(decode_ahead)
         self.params, self._attention = params_and_attention(model, mesh, fuse_projections)
         # Resolved here once (the cache takes it as given): whether it is a VmmArena decides
         # the prefix cache's default.
@@ -395,8 +433,12 @@ class Engine:
         # neither running nor free until then. The step's thread only.
         self._retiring: dict[int, _Seq] = {}
         # While a call runs: its prefill tokens per slot (None: a decode call) and its
-        # decoding rows (Engine._call). The step's thread only.
+        # decoding rows (Engine._complete). The step's thread only.
         self._in_flight: tuple[np.ndarray | None, list[_Seq]] | None = None
+        # A decode call dispatched before the last call's tokens were read, completed by the
+        # next step (Engine._dispatch_next). The step's thread only.
+        self._next: _Pending | None = None
+        self._step_t0 = 0.0
         # Slot -> (its request, the tokens committed for it): the next call's prefill memory,
         # committed beside the last call (_plan_ahead); check_memory allows for it.
         self._ahead: dict[int, tuple[_Seq, int]] = {}
@@ -417,9 +459,11 @@ class Engine:
         # otherwise. Why not a lax.cond inside the step: outside a CUDA graph XLA runs a
         # conditional by copying its predicate to the host and blocking the dispatching thread
         # until the device reaches it, i.e. until the whole forward pass has run, so the work
-        # meant to run beside the call (Engine._call) would wait for it.
-        self._greedy = jax.jit(self._greedy_fn())
-        self._sampler = jax.jit(self._sampler_fn())
+        # meant to run beside the call (Engine._complete) would wait for it. Each picker
+        # also writes its tokens into the `tokens` input in place (donated): the next decode
+        # call can take them there before the host has read them.
+        self._greedy = jax.jit(self._greedy_fn(), donate_argnums=(1,))
+        self._sampler = jax.jit(self._sampler_fn(), donate_argnums=(6,))
         # Per-slot sampling parameters, rewritten at admission.
         B = self.max_slots
         self._temperature = np.zeros((B,), np.float32)
@@ -428,7 +472,7 @@ class Engine:
         self._seeds = np.zeros((B,), np.uint32)
         self._sampling_dirty = True
         try:
-            self._inputs = StepInputs(self._input_fields(), self.cache.arena, mesh)
+            self._inputs = StepInputs(self._input_fields(), mesh)
         except BaseException:
             self.cache.close()
             raise
@@ -456,8 +500,8 @@ class Engine:
             n *= 2
 
     def _input_fields(self) -> dict[str, tuple[int, Any]]:
-        """The steps' per-call inputs (StepInputs, at fixed addresses on VMM). A call writes
-        the ones it uses in one copy, the bytes from the first to the last (_write_inputs)."""
+        """The steps' per-call inputs (StepInputs, at fixed addresses). A call writes the ones
+        it uses in one upload (_write_inputs)."""
         B = self.max_slots
         fields: dict[str, tuple[int, Any]] = {
             "lengths": (B, np.int32),  # tokens each slot holds before the call
@@ -513,18 +557,20 @@ class Engine:
     def _greedy_fn(self) -> Any:
         replicated = self._replicated
 
-        def run(logits):  # float32 [B, V] -> int32 [B]
-            return replicated(argmax_rows(logits))
+        def run(logits, tokens):  # float32 [B, V], int32 [B] (donated) -> (tokens', picked)
+            picked = replicated(argmax_rows(logits))
+            return _into(picked, tokens), picked
 
         return run
 
     def _sampler_fn(self) -> Any:
         replicated = self._replicated
 
-        def run(logits, positions, temp, top_k, top_p, seeds):
+        def run(logits, positions, temp, top_k, top_p, seeds, tokens):
             # positions int32 [B]: the position of the token each row samples (its key's).
             keys = _row_keys(seeds, positions)
-            return replicated(sample_rows(logits, keys, temp, top_k, top_p))
+            picked = replicated(sample_rows(logits, keys, temp, top_k, top_p))
+            return _into(picked, tokens), picked
 
         return run
 
@@ -653,8 +699,16 @@ class Engine:
         this step's call reach their requests while the next call runs (_deliver), unless
         no call follows: streaming to clients (a listener per request, an event loop's
         wake-up: ~6 us each) is then host work the device does not wait for."""
-        t0 = time.perf_counter()
+        t0 = self._step_t0 = time.perf_counter()
         try:
+            if self._next is not None:  # a decode call dispatched by the last step
+                prefill_tokens, decode_rows, prefill_s = 0, len(self._next.rows), 0.0
+                decode_s = self._run_next()
+                if self._next is None:
+                    self._end_cancelled()  # nothing in flight: the slots can go at once
+                if not defer_delivery or not self.has_work():
+                    self._deliver()
+                return self._account(t0, prefill_tokens, prefill_s, decode_rows, decode_s)
             self._end_cancelled()
             counts = self._plan_prefill()
             rows = self._plan_decode()
@@ -670,10 +724,16 @@ class Engine:
                 self._retire()  # no call to overlap
             if not (defer_delivery and (prefill_tokens or rows) and self.has_work()):
                 self._deliver()
-            work = self.has_work()  # after the delivery: a listener may have submitted
+            return self._account(t0, prefill_tokens, prefill_s, decode_rows, decode_s)
         except BaseException as error:
             self._fail(error)
             raise
+
+    def _account(self, t0: float, prefill_tokens: int, prefill_s: float, decode_rows: int,
+                 decode_s: float) -> bool:  # fmt: skip
+        """Counts a step that started at t0; returns whether work remains (after the
+        delivery: a listener may have submitted)."""
+        work = self.has_work()
         self.stats.steps += 1
         elapsed = time.perf_counter() - t0
         device = prefill_s + decode_s
@@ -784,13 +844,14 @@ class Engine:
                 self._finish(seq, FINISH_CANCELLED)
                 continue
             b = self._free_slot()
-            if b is None and (defer_hand_over or not self._retiring):
+            ended = self._releasable()
+            if b is None and (defer_hand_over or not ended):
                 break
             hits, partial = self._lookup(seq)
             if self._inflight_extends(seq, hits):
                 break
-            if b is None:  # the head needs an ended request's slot now (idle in any call)
-                b = next(iter(self._retiring))
+            if b is None:  # the head needs an ended request's slot now (idle in the call)
+                b = ended[0]
                 first = min(seq.prefill_target, room)
                 # Its granules serve the head as they are (SlotCache.hand_over), or fresh ones
                 # replace them in place where the prefix store keeps the old request's blocks
@@ -889,7 +950,7 @@ class Engine:
         try:
             committed = self.cache.ensure_slot(b, tokens)
         except ArenaExhausted:
-            if self._retiring:  # memory the last call's ended requests still hold
+            if self._releasable():  # memory the last call's ended requests still hold
                 self._retire()
                 return self._commit(b, tokens)
             if self.prefix is None:
@@ -959,15 +1020,25 @@ class Engine:
         the block each ended in was cached when it ended). While a call is in flight it
         leaves those rows idle (they were not planned into it), so the unmaps need not wait
         for it (SlotCache.beside_step)."""
-        if not self._retiring:
+        slots = [only] if only is not None else self._releasable()
+        if not slots:
             return
-        beside_step = self._in_flight is not None  # inside _call's cache.beside_step()
+        beside_step = self._in_flight is not None  # inside _complete's cache.beside_step()
         t0 = time.perf_counter()
-        for b in [only] if only is not None else list(self._retiring):
+        for b in slots:
             self._release(self._retiring.pop(b), keep_partial=False)
             self.stats.releases_beside_step += beside_step
         if beside_step:
             self.stats.release_beside_step_seconds += time.perf_counter() - t0
+
+    def _releasable(self) -> list[int]:
+        """The slots of ended requests that no call in flight writes: a decode call
+        dispatched ahead (_dispatch_next) may still compute a row whose request ended on the
+        call before it; that slot goes after it."""
+        if self._in_flight is None:
+            return list(self._retiring)
+        busy = {s.slot for s in self._in_flight[1]}
+        return [b for b in self._retiring if b not in busy]
 
     def _trim_prefix(self) -> None:
         """Evicts blocks no running request maps (PrefixCache's order) past
@@ -1110,13 +1181,17 @@ class Engine:
     def _call(
         self, kind: str, *args: Any, rows: list[_Seq], counts: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray, float]:
-        """Runs the `kind` step on (params, *args), then the picker of its tokens (argmax
-        where every row of the call is greedy) -> (tokens [B], status [B] on the host,
-        seconds until they were there); counts their compiles (jit's cache of each, _programs)
-        and takes the caches. While it runs (the call's prefill `counts` per slot
-        and decoding `rows` in flight), the next call's memory is committed: the decoding
-        rows' next granules, then the next prefill's (_plan_ahead); then the ended requests'
-        slots are released."""
+        """Runs the `kind` step on (params, *args) and the picker of its tokens, with the
+        next call's memory committed beside it (_complete) -> (tokens [B], status [B] on the
+        host, seconds until they were there)."""
+        return self._complete(self._dispatch(kind, args, rows, counts))
+
+    def _dispatch(
+        self, kind: str, args: tuple, rows: list[_Seq], counts: np.ndarray | None
+    ) -> _Pending:
+        """Queues the `kind` step on (params, *args), then the picker of its tokens (argmax
+        where every row of the call is greedy), which also writes them into the `tokens`
+        input; counts their compiles (jit's cache of each, _programs) and takes the caches."""
         step = self._prefill if kind == "prefill" else self._decode
         programs, pickers = _programs(step, self._traces[kind]), self._picker_programs()
         t0 = time.perf_counter()
@@ -1124,36 +1199,112 @@ class Engine:
         compiled = _programs(step, self._traces[kind]) - programs
         self._accept(caches, verify=bool(compiled))  # the cache's arrays, whatever follows
         if self._samples(rows, counts):
-            out = self._sampler(logits, positions, *self._sampling_args())
+            sampling = self._sampling_args()  # may write the inputs: before taking `tokens`
+            field, out = self._sampler(logits, positions, *sampling, self._inputs["tokens"])
         else:
-            out = self._greedy(logits)
+            field, out = self._greedy(logits, self._inputs["tokens"])
+        self._inputs.replace("tokens", field)
         del logits  # its buffer goes back to XLA's allocator once the picker has read it
         self.stats.sampler_compiles += self._picker_programs() - pickers
-        # Every slot these touch is idle in the call: not planned into it (free, ending, or
-        # admitted after it was planned), or past the bound it was given.
-        self._in_flight = (counts, rows)
-        t1 = time.perf_counter()
-        self.stats.dispatch_seconds += t1 - t0
-        try:
-            with self.cache.beside_step():
-                self.stats.delivered_beside_call += self._deliver()  # the last call's tokens
-                self._commit_ahead(rows, counts)  # the running requests' memory first
-                self._plan_ahead(counts)
-                self._retire()
-        finally:
-            self._in_flight = None
-            t2 = time.perf_counter()
-            self.stats.beside_seconds += t2 - t1
-        self.stats.beside_overran += out.is_ready()
-        sampled, status = _host(out), _host(status)
-        t3 = time.perf_counter()
-        self.stats.wait_seconds += t3 - t2
-        seconds = t3 - t0
         if kind == "prefill":
             self.stats.prefill_compiles += compiled
         else:
             self.stats.decode_compiles += compiled
-        return sampled, status, seconds
+        self.stats.dispatch_seconds += time.perf_counter() - t0
+        return _Pending(rows, counts, out, status, t0)
+
+    def _complete(self, call: _Pending) -> tuple[np.ndarray, np.ndarray, float]:
+        """Waits for a dispatched call's tokens -> (tokens [B], status [B] on the host,
+        seconds until they were there, from its dispatch or this step's start, the later).
+        While it runs (its prefill `counts` per slot and decoding `rows` in flight), the next
+        call's memory is committed: the decoding rows' next granules, then the next
+        prefill's (_plan_ahead); then the ended requests' slots are released, and, where the
+        next call is decode only, it is dispatched (_dispatch_next)."""
+        # Every slot these touch is idle in the call: not planned into it (free, ending, or
+        # admitted after it was planned), or past the bound it was given.
+        self._in_flight = (call.counts, call.rows)
+        t1 = time.perf_counter()
+        try:
+            with self.cache.beside_step():
+                self.stats.delivered_beside_call += self._deliver()  # the last call's tokens
+                self._commit_ahead(call.rows, call.counts)  # the running requests' memory first
+                self._plan_ahead(call.counts)
+                self._retire()
+                self._next = self._dispatch_next(call)
+        finally:
+            # A call dispatched ahead is in flight until the next step completes it.
+            self._in_flight = None if self._next is None else (None, self._next.rows)
+            t2 = time.perf_counter()
+            self.stats.beside_seconds += t2 - t1
+        self.stats.beside_overran += call.out.is_ready()
+        sampled, status = _host(call.out), _host(call.status)
+        t3 = time.perf_counter()
+        self.stats.wait_seconds += t3 - t2
+        return sampled, status, t3 - max(call.t0, self._step_t0)
+
+    def _dispatch_next(self, call: _Pending) -> _Pending | None:
+        """Dispatches the decode call after `call` (in flight, its tokens not yet read) where
+        that call is known now: decode only (no piece planned or admitted beside `call`, no
+        slot prefilling, no cancel to handle), over `call`'s rows except those its token ends
+        by length, each with its next token's memory committed. Its inputs are written in
+        stream order after `call` (StepInputs), its tokens are the ones `call`'s picker writes
+        into the `tokens` input, its lengths one more than each row holds now. A row whose
+        request ends on `call`'s token (a stop) is computed for nothing: its token is dropped
+        and its slot released after this call (_retire skips the rows in flight)."""
+        if not self.decode_ahead or call.counts is not None or self._ahead:
+            return None
+        with self._lock:
+            if self._cancels != self._cancels_seen:
+                return None
+        backed = self.cache.committed_tokens()
+        in_call = {s.slot for s in call.rows}
+        rows = []
+        for seq in self._active():
+            if seq.cached != seq.prefill_target or not seq.generated:
+                return None  # prefilling: the next call is the prefill step
+            if seq.slot not in in_call:
+                return None  # not one of the call's rows: the next planning decides
+            if len(seq.generated) + 1 >= seq.max_new:
+                continue  # call's token ends it by length
+            b = seq.slot
+            assert b is not None
+            if seq.cached + 2 > backed[b]:
+                return None  # its next token needs memory: the next planning commits it
+            rows.append(seq)
+        if not rows:
+            return None
+        lengths = np.zeros((self.max_slots,), np.int32)
+        bound = np.zeros((self.max_slots,), np.int32)
+        for seq in rows:
+            lengths[seq.slot] = seq.cached + 1
+            bound[seq.slot] = backed[seq.slot]
+        self._inputs.write(lengths=lengths, bound=bound)  # `tokens`: call's picker writes them
+        inputs = self._inputs
+        args = (inputs["tokens"], self._caches(), inputs["lengths"], inputs["bound"])
+        self.stats.calls_ahead += 1
+        return self._dispatch("decode", args, rows, None)
+
+    def _run_next(self) -> float:
+        """Completes the decode call dispatched ahead: its rows whose request is still running
+        advance. Returns its seconds."""
+        call, self._next = self._next, None
+        assert call is not None
+        sampled, status, seconds = self._complete(call)
+        self.stats.decode_calls += 1
+        running = [s for s in call.rows if s.slot is not None and self._slots[s.slot] is s]
+        self.stats.wasted_rows += len(call.rows) - len(running)
+        self._advance(running, sampled, status)
+        return seconds
+
+    def _settle(self) -> None:
+        """Waits for a call dispatched ahead and drops it (a failure, or closing): its tokens
+        are not delivered, its slots can be released."""
+        call, self._next, self._in_flight = self._next, None, None
+        if call is not None:
+            try:
+                jax.block_until_ready((call.out, call.status))
+            except Exception:  # noqa: BLE001 - the failure being handled is the one to see
+                pass
 
     def _picker_programs(self) -> int:
         # A stand-in picker (bench/engine_host.py) compiles nothing.
@@ -1182,8 +1333,10 @@ class Engine:
         takes them) it stops: the next planning preempts or waits, as before."""
         backed = self.cache.committed_tokens()
         # (row, tokens in its slot after the call, tokens generated after the call): a
-        # prompt's last piece samples the first token, a re-prefill's samples none.
-        nexts = [(seq, seq.cached + 1, len(seq.generated) + 1) for seq in rows]
+        # prompt's last piece samples the first token, a re-prefill's samples none. A row of
+        # a call dispatched ahead whose request has ended since gets none.
+        running = [seq for seq in rows if seq.slot is not None and self._slots[seq.slot] is seq]
+        nexts = [(seq, seq.cached + 1, len(seq.generated) + 1) for seq in running]
         if counts is not None:
             for b in np.flatnonzero(counts):
                 seq = self._slots[b]
@@ -1387,6 +1540,7 @@ class Engine:
             self._accepting = False
             queued = list(self._queue)
             self._queue.clear()
+        self._settle()  # a call dispatched ahead: its slots are released below
         for seq in self._retiring.values():  # ended before the failure; their slots go
             try:
                 self._release(seq, keep_partial=False)
@@ -1471,7 +1625,11 @@ class Engine:
                 return
 
     def _holds_slots(self) -> bool:
-        return bool(self._retiring) or any(s is not None for s in self._slots)
+        return (
+            self._next is not None
+            or bool(self._retiring)
+            or any(s is not None for s in self._slots)
+        )
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stops accepting requests; with drain, finishes the running and queued ones (after
@@ -1484,6 +1642,8 @@ class Engine:
                 seq.request.cancel()
         if self._thread is None:
             if not drain:
+                if self._next is not None:
+                    self.step()  # completes the call dispatched ahead
                 self.step()  # ends the cancelled ones
             return
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -1514,6 +1674,7 @@ class Engine:
     def _free(self) -> None:
         try:
             self._deliver(robust=True)  # nothing is left there after a drained driver
+            self._settle()
             if self._failure is None:
                 self._retire()
             self._inputs.close()

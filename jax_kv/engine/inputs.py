@@ -1,18 +1,20 @@
-"""StepInputs: the Engine's per-step inputs at fixed device addresses.
+"""StepInputs: the Engine's per-step inputs at fixed device addresses, written in stream order.
 
 XLA runs a compiled step's kernels as a recorded CUDA graph and replays it while the step's
 buffers keep their addresses. An argument at a new address makes it record the graph again,
 which runs every FFI handler's host code (measured on the Generator's decode step: a fresh
 `lengths` buffer per step re-recorded it at every step; jax_kv/decode/generator.py). The
 Engine's per-step values (tokens, lengths, the decode write bound, the prefill's sequence
-offsets, the rows' sampling parameters) change at every step, so on a VMM arena they live in
-one small region exported once as views: the host rewrites their bytes in place between calls
-(one host-to-device copy per call), as SlotCache does for its `committed` bound.
+offsets, the rows' sampling parameters) change at every step, so they live in arrays that keep
+their addresses: a write is a small compiled call that takes the arrays donated and returns
+them in place (XLA aliases each output to its donated input), with the host's values packed in
+one upload.
 
-A write must not overlap a call in flight that reads the views: the Engine writes only after
-the previous call's tokens reached the host. Without a VMM arena (EagerArena: the CPU default,
-CUDA without VMM) each write uploads fresh arrays instead: the values are the same, the
-addresses are not.
+Why a compiled call and not a host copy into fixed memory: the write is ordered on the device
+after the calls dispatched before it. The Engine writes call N+1's inputs while call N runs and
+reads the old values (Engine._dispatch_next); a copy on another stream would race with it. The
+token picker writes its tokens into the `tokens` array the same way, so the next decode call
+can take them on the device, before the host has read them.
 """
 
 from __future__ import annotations
@@ -20,93 +22,101 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jax_kv.memory import MeshArena, VmmArena
-from jax_kv.memory.arena import MIN_ALIGN
-from jax_kv.memory.mesh import REPLICATED, allocate
 from jax_kv.parallel import put_replicated
 
 
+def _update(old: tuple[jax.Array, ...], packed: jax.Array) -> tuple:
+    """old: the fields (4-byte dtypes), donated; packed int32 [sum of lengths + fields]: their
+    new bytes end to end, then one word per field, nonzero where the field takes them (the
+    others keep theirs). `where`, not a plain copy: XLA would return `packed`'s slice itself,
+    at a new address."""
+    out, offset = [], 0
+    take = packed[packed.shape[0] - len(old) :] != 0
+    for i, field in enumerate(old):
+        n = field.shape[0]
+        new = jax.lax.bitcast_convert_type(packed[offset : offset + n], field.dtype)
+        out.append(jnp.where(take[i], new, field))
+        offset += n
+    return tuple(out)
+
+
 class StepInputs:
-    """Named 1-D arrays the host writes before each call.
+    """Named 1-D arrays (int32, uint32 or float32) the host writes before each call.
 
     Args:
         fields: name -> (length, dtype) of each array.
-        arena: the cache's arena; a VmmArena or MeshArena gives fixed addresses (one region,
-            replicated on every device of a mesh), anything else fresh uploads.
         mesh: the Engine's mesh (None: one device); the arrays are whole on every device.
     """
 
-    def __init__(self, fields: dict[str, tuple[int, Any]], arena: Any, mesh: Any = None) -> None:
+    def __init__(self, fields: dict[str, tuple[int, Any]], mesh: Any = None) -> None:
         self.mesh = mesh
+        self._names = list(fields)
         self._layout: dict[str, tuple[int, int, np.dtype]] = {}  # name -> (offset, n, dtype)
         offset = 0
         for name, (n, dtype) in fields.items():
             dtype = np.dtype(dtype)
+            if dtype.itemsize != 4:
+                raise ValueError(f"{name}: expected a 4-byte dtype, got {dtype}")
             self._layout[name] = (offset, int(n), dtype)
-            offset += -(-max(1, int(n)) * dtype.itemsize // MIN_ALIGN) * MIN_ALIGN
-        self.nbytes = offset
-        self.fixed = isinstance(arena, VmmArena | MeshArena)
-        self._arena = arena
-        self._arrays: dict[str, jax.Array] = {}
-        self._region: Any = None
-        self._mirror = np.zeros((offset,), np.uint8)  # the region's bytes, as last written
-        self.writes = 0  # host-to-device copies (fixed) or upload rounds (not fixed)
-        if not self.fixed:
-            for name, (_, n, dtype) in self._layout.items():
-                self._arrays[name] = put_replicated(np.zeros((n,), dtype), mesh)
-            return
-        self._region = allocate(arena, offset, REPLICATED)
-        try:
-            self._region.commit(offset)
-            self._region.write(0, self._mirror.tobytes())
-            for name, (off, n, dtype) in self._layout.items():
-                self._arrays[name] = self._region.export((n,), dtype, offset=off)
-        except BaseException:
-            self.close()
-            raise
+            offset += int(n)
+        self.words = offset
+        self._write = jax.jit(_update, donate_argnums=(0,))
+        # Zeros, then once through the compiled write: its outputs are buffers XLA owns and
+        # can update in place from the first call on (an upload may alias host memory, which
+        # a donation cannot reuse: the first write would move it).
+        zeros = tuple(self._put(np.zeros((n,), dtype)) for _, n, dtype in self._layout.values())
+        every = np.zeros((self.words + len(self._names),), np.int32)
+        every[self.words :] = 1
+        first = self._write(zeros, self._put(every))
+        self._arrays: dict[str, jax.Array] = dict(zip(self._names, first, strict=True))
+        self.writes = 0  # compiled writes (one upload each), after this first one
 
     def __getitem__(self, name: str) -> jax.Array:
         return self._arrays[name]
 
     def write(self, **values: Any) -> None:
-        """Sets the named arrays to `values` (each of its field's length; cast to its dtype):
-        on a VMM arena one copy of the bytes from the first named field to the last. All are
-        checked before any is written."""
-        checked = []
+        """Sets the named arrays to `values` (each of its field's length; cast to its dtype);
+        the others keep their values. All are checked before any is written."""
+        packed = np.zeros((self.words + len(self._names),), np.int32)
+        take = packed[self.words :]  # a view: one word per field
         for name, value in values.items():
             if name not in self._layout:
-                raise ValueError(f"{name}: not one of the inputs {list(self._layout)}")
+                raise ValueError(f"{name}: not one of the inputs {self._names}")
             offset, n, dtype = self._layout[name]
             data = np.asarray(value, dtype)
             if data.shape != (n,):
                 raise ValueError(f"{name}: expected shape ({n},), got {data.shape}")
-            checked.append((name, offset, data))
-        if not self.fixed:
-            for name, _, data in checked:
-                self._arrays[name] = put_replicated(data, self.mesh)
-        elif checked:
-            for _, offset, data in checked:
-                self._mirror[offset : offset + data.nbytes] = data.view(np.uint8)
-            lo = min(offset for _, offset, _ in checked)
-            hi = max(offset + data.nbytes for _, offset, data in checked)
-            self._region.write(lo, self._mirror[lo:hi].tobytes())
+            packed[offset : offset + n] = data.view(np.int32)
+            take[self._names.index(name)] = 1
+        if not take.any():
+            return
+        old = tuple(self._arrays[name] for name in self._names)
+        new = self._write(old, self._put(packed))
+        self._arrays = dict(zip(self._names, new, strict=True))
         self.writes += 1
 
+    def _put(self, values: np.ndarray) -> jax.Array:
+        # Committed to the device, as every compiled call's output is: an uncommitted first
+        # value would be another jit signature of each step (one more compile).
+        if self.mesh is None:
+            return jax.device_put(values, jax.devices()[0])
+        return put_replicated(values, self.mesh)
+
+    def replace(self, name: str, array: jax.Array) -> None:
+        """Takes `array` as field `name`: a compiled call's output aliased to the field it
+        was given donated (the token picker's), at the same address."""
+        self._arrays[name] = array
+
     def close(self) -> None:
-        """Drops the views and frees the region. Idempotent."""
+        """Drops the arrays. Idempotent."""
         arrays = list(self._arrays.values())
         self._arrays.clear()
         for a in arrays:
             if not a.is_deleted():
-                a.block_until_ready()
                 a.delete()
-        del arrays
-        if self._region is not None:
-            self._arena.wait_unviewed([self._region])  # XLA drops its references lazily
-            region, self._region = self._region, None
-            region.free()
 
 
 __all__ = ["StepInputs"]

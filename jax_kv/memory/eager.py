@@ -72,8 +72,11 @@ class EagerArena:
             if sharding is not None:
                 array = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
             else:
+                # Committed to the device, as a compiled step's outputs are: an uncommitted
+                # array fed to a step the first time, its output the next, would be two jit
+                # signatures of one step (two compiles).
                 with jax.default_device(self.device):
-                    array = jnp.zeros(shape, dtype)
+                    array = jax.device_put(jnp.zeros(shape, dtype), self.device)
         except Exception as e:  # XLA's RESOURCE_EXHAUSTED
             if "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in str(e):
                 raise ArenaExhausted(

@@ -373,7 +373,12 @@ def test_decode_steps_replay_the_recorded_graph(model, rng):
         reqs = [eng.submit(p, 60, stop_token_ids=[]) for p in prompts(rng, model, [50] * 4)]
         while not all(r.streamed for r in reqs):
             eng.step()
+        ahead = eng.stats.calls_ahead
         assert_steps_replay(eng, 30, 0, 4, "decode steps")
+        # Dispatched before the call before them had its tokens read (Engine(decode_ahead)):
+        # the picker's tokens taken on the device, the graph still replayed.
+        print(f"decode calls dispatched ahead: {eng.stats.calls_ahead - ahead} of 30")
+        assert eng.stats.calls_ahead - ahead >= 25
     finally:
         eng.close()
         arena.close()

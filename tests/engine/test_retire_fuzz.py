@@ -145,14 +145,11 @@ def instrument(eng, log):
         state["accepted"] = True
         return real_accept(k, v, verify=verify)
 
-    real_call = eng._call
+    real_dispatch = eng._dispatch
 
-    def call(kind, *args, **kw):
-        state["accepted"] = False
-        try:
-            return real_call(kind, *args, **kw)
-        finally:
-            state["accepted"] = False
+    def dispatch(kind, args, rows, counts):
+        state["accepted"] = False  # until this call's caches come back (accept)
+        return real_dispatch(kind, args, rows, counts)
 
     real_write_inputs = eng._write_inputs
     real_inputs_write = eng._inputs.write
@@ -169,7 +166,7 @@ def instrument(eng, log):
     eng._inputs.write = inputs_write
     eng._free_slot = free_slot
     eng._release = release
-    eng._call = call
+    eng._dispatch = dispatch
     cache.release_slot = release_slot
     cache.accept = accept
 
