@@ -132,8 +132,10 @@ class EngineStats:
     calls_ahead: int = 0
     wasted_rows: int = 0
     # A call's time (inside step_seconds, not host_seconds) in three: dispatching the step and
-    # its picker (JAX's host work, until both are queued), the work beside it (beside_seconds),
-    # and the wait for its tokens after that work (the device's remainder, and the copy).
+    # its picker (JAX's host work, until both are queued; for a call dispatched ahead, whose
+    # dispatch ran beside the call before it, the time its step spent before the work beside
+    # it), the work beside it (beside_seconds), and the wait for its tokens after that work
+    # (the device's remainder, and the copy).
     dispatch_seconds: float = 0.0
     wait_seconds: float = 0.0
     # Handing tokens and endings to their requests (Engine._deliver: waiters, listeners, and
@@ -1210,7 +1212,6 @@ class Engine:
             self.stats.prefill_compiles += compiled
         else:
             self.stats.decode_compiles += compiled
-        self.stats.dispatch_seconds += time.perf_counter() - t0
         return _Pending(rows, counts, out, status, t0)
 
     def _complete(self, call: _Pending) -> tuple[np.ndarray, np.ndarray, float]:
@@ -1224,6 +1225,8 @@ class Engine:
         # admitted after it was planned), or past the bound it was given.
         self._in_flight = (call.counts, call.rows)
         t1 = time.perf_counter()
+        start = max(call.t0, self._step_t0)  # a call dispatched ahead: this step's start
+        self.stats.dispatch_seconds += t1 - start
         try:
             with self.cache.beside_step():
                 self.stats.delivered_beside_call += self._deliver()  # the last call's tokens
@@ -1240,7 +1243,7 @@ class Engine:
         sampled, status = _host(call.out), _host(call.status)
         t3 = time.perf_counter()
         self.stats.wait_seconds += t3 - t2
-        return sampled, status, t3 - max(call.t0, self._step_t0)
+        return sampled, status, t3 - start
 
     def _dispatch_next(self, call: _Pending) -> _Pending | None:
         """Dispatches the decode call after `call` (in flight, its tokens not yet read) where
