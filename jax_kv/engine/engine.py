@@ -474,7 +474,10 @@ class Engine:
         self._seeds = np.zeros((B,), np.uint32)
         self._sampling_dirty = True
         try:
-            self._inputs = StepInputs(self._input_fields(), mesh)
+            # On the cache's device (an EagerArena may be on any): committed there, as the
+            # steps' outputs are.
+            device = None if mesh is not None else next(iter(self.cache.k[0].devices()))
+            self._inputs = StepInputs(self._input_fields(), mesh, device)
         except BaseException:
             self.cache.close()
             raise
@@ -1042,6 +1045,10 @@ class Engine:
         busy = {s.slot for s in self._in_flight[1]}
         return [b for b in self._retiring if b not in busy]
 
+    def _in_call(self, b: int) -> bool:
+        """Whether the call in flight advances slot b's row (its decoding rows)."""
+        return self._in_flight is not None and any(s.slot == b for s in self._in_flight[1])
+
     def _trim_prefix(self) -> None:
         """Evicts blocks no running request maps (PrefixCache's order) past
         prefix_cache_bytes (a request's end makes the blocks it wrote such blocks)."""
@@ -1476,6 +1483,10 @@ class Engine:
                 # Cached now, so that a request continuing it (a chat's next turn) can map it
                 # from the next step on; only the unmaps wait for the next call.
                 self._cache_partial(seq)
+                self._retiring[seq.slot] = seq
+            elif self._in_call(seq.slot):
+                # A call dispatched ahead still writes it (a row refused by the attention op
+                # on the call before): released after that call, with no block cached.
                 self._retiring[seq.slot] = seq
             else:  # after an error the slot's bytes are not trusted: no block is cached
                 self._release(seq, keep_partial=reason != FINISH_ERROR)

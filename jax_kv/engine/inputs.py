@@ -49,10 +49,14 @@ class StepInputs:
     Args:
         fields: name -> (length, dtype) of each array.
         mesh: the Engine's mesh (None: one device); the arrays are whole on every device.
+        device: without a mesh, the device the arrays live on (default: JAX's first).
     """
 
-    def __init__(self, fields: dict[str, tuple[int, Any]], mesh: Any = None) -> None:
+    def __init__(
+        self, fields: dict[str, tuple[int, Any]], mesh: Any = None, device: Any = None
+    ) -> None:
         self.mesh = mesh
+        self.device = jax.devices()[0] if device is None else device
         self._names = list(fields)
         self._layout: dict[str, tuple[int, int, np.dtype]] = {}  # name -> (offset, n, dtype)
         offset = 0
@@ -79,7 +83,8 @@ class StepInputs:
 
     def write(self, **values: Any) -> None:
         """Sets the named arrays to `values` (each of its field's length; cast to its dtype);
-        the others keep their values. All are checked before any is written."""
+        the others keep their values. All are checked before any is written. One upload of
+        every field's words (the unnamed ones as zeros, not taken) and one compiled call."""
         packed = np.zeros((self.words + len(self._names),), np.int32)
         take = packed[self.words :]  # a view: one word per field
         for name, value in values.items():
@@ -102,7 +107,7 @@ class StepInputs:
         # Committed to the device, as every compiled call's output is: an uncommitted first
         # value would be another jit signature of each step (one more compile).
         if self.mesh is None:
-            return jax.device_put(values, jax.devices()[0])
+            return jax.device_put(values, self.device)
         return put_replicated(values, self.mesh)
 
     def replace(self, name: str, array: jax.Array) -> None:

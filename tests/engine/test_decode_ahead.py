@@ -9,7 +9,7 @@ CUDA) and the eager arena:
 - calls are dispatched ahead (counted), none with decode_ahead=False;
 - a row whose request stopped on the call before is computed once for nothing (counted, its
   token dropped), and its slot is released only after that call: until then it keeps its
-  granules;
+  granules; so is a row the attention op refused on the call before;
 - a cancel, a shutdown and a close while a call is ahead end every request, and the arena
   commits nothing after close."""
 
@@ -86,12 +86,16 @@ def test_tokens_equal_with_calls_ahead_and_without(model, generator, rng, kind):
         assert a.tokens == s.tokens and a.finish_reason == s.finish_reason
         if sampling is None:
             assert a.tokens == solo(generator, prompt, n, stops)
-        assert a.finish_reason == (FINISH_STOP if len(a.tokens) < n else FINISH_LENGTH)
+        assert len(a.tokens) <= n
+        # A stop id ends it first, also on its last allowed token (Engine._emit).
+        stopped = bool(stops) and a.tokens[-1] in stops
+        assert a.finish_reason == (FINISH_STOP if stopped else FINISH_LENGTH)
     assert stats.calls_ahead > 0 and serial_stats.calls_ahead == 0
     assert serial_stats.wasted_rows == 0
     assert stats.decode_compiles == serial_stats.decode_compiles == 1
     assert stats.decode_tokens == serial_stats.decode_tokens  # dropped tokens not counted
-    assert stats.decode_calls == serial_stats.decode_calls  # the same calls, dispatched earlier
+    # Not the same calls: one whose every row stopped on the call before is an extra one, and
+    # requests arriving while a call is ahead are admitted beside it, one call later.
 
 
 def test_a_row_stopped_on_the_call_before_keeps_its_slot_until_the_call_ahead_ends(
@@ -99,11 +103,16 @@ def test_a_row_stopped_on_the_call_before_keeps_its_slot_until_the_call_ahead_en
 ):
     eng, arena = build(model, "host")
     try:
-        other = [int(t) for t in rng.integers(3, model.config.vocab_size, 9)]
-        prompt = [int(t) for t in rng.integers(3, model.config.vocab_size, 12)]
-        free = solo(generator, prompt, 20)
-        stop = free[5]
-        k = free.index(stop)  # its first occurrence: the request ends on token k
+        vocab = model.config.vocab_size
+        other = [int(t) for t in rng.integers(3, vocab, 9)]
+        for _ in range(50):  # a prompt whose output has a token first seen at 3..15
+            prompt = [int(t) for t in rng.integers(3, vocab, 12)]
+            free = solo(generator, prompt, 20)
+            firsts = [k for k in range(3, 16) if free.index(free[k]) == k]
+            if firsts:
+                break
+        k = firsts[0]
+        stop = free[k]  # the request ends on token k, a decode call's
         keep = eng.submit(other, 30, stop_token_ids=[])
         req = eng.submit(prompt, 20, stop_token_ids=[stop])
         while not req.done:
@@ -155,3 +164,49 @@ def test_cancel_shutdown_and_close_with_a_call_ahead(model, generator, rng):
         eng.step()
     close(eng, arena, "host")  # close() with a call ahead in flight: nothing left committed
     assert req.result().finish_reason == FINISH_CANCELLED
+
+
+def test_a_row_refused_on_the_call_before_is_released_after_the_call_ahead(model, generator, rng):
+    """The attention op's status refuses slot 1's row on a decode call; the call ahead,
+    dispatched before that status was read, computes the row too. The request ends with an
+    error, the others go on, and the slot is released only once no call in flight writes it."""
+    eng, arena = build(model, "host", max_slots=3)
+    real = eng._decode
+    calls = [0]
+
+    def decode(params, tokens, caches, lengths, bound):
+        logits, positions, caches, status = real(params, tokens, caches, lengths, bound)
+        calls[0] += 1
+        if calls[0] == 3:
+            status = status.at[1].set(3)  # any nonzero status: the op refused the row
+        return logits, positions, caches, status
+
+    eng._decode = decode
+    released = []
+    real_release = eng.cache.release_slot
+
+    def release_slot(b):
+        busy = {s.slot for s in eng._in_flight[1]} if eng._in_flight is not None else set()
+        released.append((b, b in busy))
+        return real_release(b)
+
+    eng.cache.release_slot = release_slot
+    try:
+        vocab = model.config.vocab_size
+        ps = [[int(t) for t in rng.integers(3, vocab, 9 + i)] for i in range(3)]
+        reqs = [eng.submit(p, 12, stop_token_ids=[]) for p in ps]
+        while eng.has_work():
+            eng.step()
+            eng.check_memory()
+        ends = [r.completion for r in reqs]  # result() raises the error
+        reasons = [c.finish_reason for c in ends]
+        assert reasons.count("error") == 1 and reasons.count(FINISH_LENGTH) == 2, reasons
+        failed = reasons.index("error")
+        assert eng.stats.calls_ahead >= 3 and eng.stats.wasted_rows >= 1
+        for i, (p, c) in enumerate(zip(ps, ends, strict=True)):
+            want = solo(generator, p, 12)
+            got = c.tokens
+            assert got == (want[: len(got)] if i == failed else want)
+        assert released and not any(busy for _, busy in released), released
+    finally:
+        close(eng, arena, "host")
