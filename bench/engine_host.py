@@ -97,7 +97,8 @@ def main() -> None:
         return run
 
     eng._prefill, eng._decode = step_stub(3), step_stub(2)  # caches: argnum 3 / 2 of run()
-    eng._greedy = lambda tokens, field: (field, tokens)  # (the tokens input, picked)
+    # (the tokens input, the picked tokens and the status as one [2, B] array)
+    eng._greedy = lambda tokens, status, field: (field, jnp.stack([tokens, status]))
     eng._accept = lambda caches, verify: None  # nothing computed: nothing to write back
     if args.no_hand_over:
         eng.cache.hands_over_in_place = lambda b, tokens: False  # fresh granules: recommit

@@ -114,16 +114,16 @@ def engine_decode(eng: Engine):
     (every row here is greedy) -> (tokens [B], caches)."""
 
     def call(params, tokens, caches, lengths, committed):
-        logits, _, caches, _ = eng._decode(params, tokens, caches, lengths, committed)
-        return greedy(eng, logits), caches
+        logits, _, caches, status = eng._decode(params, tokens, caches, lengths, committed)
+        return greedy(eng, logits, status), caches
 
     return call
 
 
-def greedy(eng: Engine, logits):
+def greedy(eng: Engine, logits, status):
     """The Engine's argmax picker as it calls it: the tokens written into its `tokens` input
-    in place (donated, taken back), the picked tokens returned."""
-    field, picked = eng._greedy(logits, eng._inputs["tokens"])
+    in place (donated, taken back); returns the picked tokens and the status, int32 [2, B]."""
+    field, picked = eng._greedy(logits, status, eng._inputs["tokens"])
     eng._inputs.replace("tokens", field)
     return picked
 
@@ -218,11 +218,11 @@ def call_prefill(eng: Engine, name: str, holder: list, n: int) -> None:
     holder = [caches (fed back), last sampled tokens]; waits for the last."""
     inputs = eng._inputs
     for _ in range(n):
-        logits, _, holder[0], _ = eng._prefill(
+        logits, _, holder[0], status = eng._prefill(
             eng.params, inputs[name], inputs["cu_seqlens"], holder[0], inputs["lengths"],
             eng.cache.committed, inputs["tokens"], inputs["bound"],
         )  # fmt: skip
-        holder[1] = greedy(eng, logits)
+        holder[1] = greedy(eng, logits, status)
     jax.block_until_ready(holder[1])
 
 

@@ -118,6 +118,11 @@ class _Delayed:
         return self.tokens if dtype is None else self.tokens.astype(dtype)
 
 
+def _stacked(tokens: _Delayed) -> _Delayed:
+    """A stubbed picker's output: the tokens over a row of zeros (every status ok)."""
+    return _Delayed(np.stack([tokens.tokens, np.zeros_like(tokens.tokens)]), tokens.ready_at)
+
+
 def stub_device(
     engine, step_ms: float, token_us: float, dispatch_us: float = 0.0, seed: int = 0
 ) -> None:
@@ -147,8 +152,9 @@ def stub_device(
         return run
 
     engine._prefill, engine._decode = step_stub(3, True), step_stub(2, False)
-    engine._greedy = lambda logits, tokens: (tokens, logits)  # (the tokens input, picked)
-    engine._sampler = lambda logits, *a: (a[-1], logits)
+    # (the tokens input, the picked tokens and the status as one [2, B] array)
+    engine._greedy = lambda logits, status, tokens: (tokens, _stacked(logits))
+    engine._sampler = lambda logits, *a: (a[-1], _stacked(logits))
     engine._accept = lambda caches, verify: None
 
 

@@ -295,8 +295,7 @@ class _Pending:
 
     rows: list[_Seq]  # its decoding rows
     counts: np.ndarray | None  # its prefill tokens per slot (None: a decode call)
-    out: jax.Array  # int32 [B]: the picked tokens
-    status: jax.Array  # int32 [B]: the attention ops' status per row
+    out: jax.Array  # int32 [2, B]: the picked tokens, the attention ops' status per row
     t0: float  # when it was dispatched (time.perf_counter)
 
 
@@ -463,9 +462,13 @@ class Engine:
         # until the device reaches it, i.e. until the whole forward pass has run, so the work
         # meant to run beside the call (Engine._complete) would wait for it. Each picker
         # also writes its tokens into the `tokens` input in place (donated): the next decode
-        # call can take them there before the host has read them.
-        self._greedy = jax.jit(self._greedy_fn(), donate_argnums=(1,))
-        self._sampler = jax.jit(self._sampler_fn(), donate_argnums=(6,))
+        # call can take them there before the host has read them. It returns them with the
+        # step's status in one array (one copy to the host), so that the step's own outputs
+        # are all dropped once the picker is queued: one still alive when the next call is
+        # dispatched ahead would make that call's output land elsewhere, and XLA re-record
+        # the commands that write it.
+        self._greedy = jax.jit(self._greedy_fn(), donate_argnums=(2,))
+        self._sampler = jax.jit(self._sampler_fn(), donate_argnums=(7,))
         # Per-slot sampling parameters, rewritten at admission.
         B = self.max_slots
         self._temperature = np.zeros((B,), np.float32)
@@ -562,20 +565,22 @@ class Engine:
     def _greedy_fn(self) -> Any:
         replicated = self._replicated
 
-        def run(logits, tokens):  # float32 [B, V], int32 [B] (donated) -> (tokens', picked)
+        def run(logits, status, tokens):
+            # float32 [B, V], int32 [B], int32 [B] (donated) -> (tokens', int32 [2, B]: the
+            # picked tokens and the status)
             picked = replicated(argmax_rows(logits))
-            return _into(picked, tokens), picked
+            return _into(picked, tokens), replicated(jnp.stack([picked, status]))
 
         return run
 
     def _sampler_fn(self) -> Any:
         replicated = self._replicated
 
-        def run(logits, positions, temp, top_k, top_p, seeds, tokens):
+        def run(logits, positions, temp, top_k, top_p, seeds, status, tokens):
             # positions int32 [B]: the position of the token each row samples (its key's).
             keys = _row_keys(seeds, positions)
             picked = replicated(sample_rows(logits, keys, temp, top_k, top_p))
-            return _into(picked, tokens), picked
+            return _into(picked, tokens), replicated(jnp.stack([picked, status]))
 
         return run
 
@@ -1209,17 +1214,18 @@ class Engine:
         self._accept(caches, verify=bool(compiled))  # the cache's arrays, whatever follows
         if self._samples(rows, counts):
             sampling = self._sampling_args()  # may write the inputs: before taking `tokens`
-            field, out = self._sampler(logits, positions, *sampling, self._inputs["tokens"])
+            field, out = self._sampler(logits, positions, *sampling, status, self._inputs["tokens"])
         else:
-            field, out = self._greedy(logits, self._inputs["tokens"])
+            field, out = self._greedy(logits, status, self._inputs["tokens"])
         self._inputs.replace("tokens", field)
-        del logits  # its buffer goes back to XLA's allocator once the picker has read it
+        # The step's outputs go back to XLA's allocator once the picker has read them.
+        del logits, positions, status
         self.stats.sampler_compiles += self._picker_programs() - pickers
         if kind == "prefill":
             self.stats.prefill_compiles += compiled
         else:
             self.stats.decode_compiles += compiled
-        return _Pending(rows, counts, out, status, t0)
+        return _Pending(rows, counts, out, t0)
 
     def _complete(self, call: _Pending) -> tuple[np.ndarray, np.ndarray, float]:
         """Waits for a dispatched call's tokens -> (tokens [B], status [B] on the host,
@@ -1247,7 +1253,7 @@ class Engine:
             t2 = time.perf_counter()
             self.stats.beside_seconds += t2 - t1
         self.stats.beside_overran += call.out.is_ready()
-        sampled, status = _host(call.out), _host(call.status)
+        sampled, status = _host(call.out)
         t3 = time.perf_counter()
         self.stats.wait_seconds += t3 - t2
         return sampled, status, t3 - start
@@ -1312,7 +1318,7 @@ class Engine:
         call, self._next, self._in_flight = self._next, None, None
         if call is not None:
             try:
-                jax.block_until_ready((call.out, call.status))
+                jax.block_until_ready(call.out)
             except Exception:  # noqa: BLE001 - the failure being handled is the one to see
                 pass
 

@@ -348,16 +348,18 @@ def assert_steps_replay(eng, steps, prefill_tokens, decode_rows, what):
     from jax_kv import _ffi
 
     cuda = _ffi.cuda_module()
-    calls = []
+    calls, targets = [], []
     for _ in range(steps):
-        before = sum(cuda.host_calls().values())
+        before = dict(cuda.host_calls())
         eng.step()
         rec = eng.last_step
         assert (rec.prefill_tokens, rec.decode_rows) == (prefill_tokens, decode_rows)
-        calls.append(sum(cuda.host_calls().values()) - before)
+        after = cuda.host_calls()
+        calls.append(sum(after.values()) - sum(before.values()))
+        targets.append({k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)})
     print(f"\nengine {what}, handler host calls per step: {calls}")
     warm = next((i for i, c in enumerate(calls) if c == 0), len(calls))
-    assert warm <= 8 and not any(calls[warm:]), calls
+    assert warm <= 8 and not any(calls[warm:]), (calls, targets[warm:][:3])
 
 
 def test_decode_steps_replay_the_recorded_graph(model, rng):

@@ -48,8 +48,9 @@ def test_the_compiled_steps_and_pickers_hold_no_conditional(model):
         logits = np.zeros((eng.max_slots, model.config.vocab_size), np.float32)
         sampling = eng._sampling_args()  # may rewrite the inputs: before taking them
         positions, tokens = inputs["lengths"], inputs["tokens"]
-        lowered["argmax"] = eng._greedy.lower(logits, tokens)
-        lowered["sampler"] = eng._sampler.lower(logits, positions, *sampling, tokens)
+        status = np.zeros((eng.max_slots,), np.int32)
+        lowered["argmax"] = eng._greedy.lower(logits, status, tokens)
+        lowered["sampler"] = eng._sampler.lower(logits, positions, *sampling, status, tokens)
         for name, low in lowered.items():
             text = low.as_text()
             assert "stablehlo" in text or "HloModule" in text  # the pattern reads this text
