@@ -111,7 +111,7 @@ def time_steps(eng: Engine, steps: int) -> dict:
 
 def engine_decode(eng: Engine):
     """The Engine's decode call as it runs it: the compiled step, then the greedy picker
-    (every row here is greedy) -> (tokens [B], caches)."""
+    (every row here is greedy) -> (int32 [2, B]: the tokens and the status, caches)."""
 
     def call(params, tokens, caches, lengths, committed):
         logits, _, caches, status = eng._decode(params, tokens, caches, lengths, committed)
@@ -215,7 +215,8 @@ def kernel_split(calls: int, run) -> dict:
 
 def call_prefill(eng: Engine, name: str, holder: list, n: int) -> None:
     """n calls of the Engine's compiled prefill step on its written inputs, back to back:
-    holder = [caches (fed back), last sampled tokens]; waits for the last."""
+    holder = [caches (fed back), the last picker's int32 [2, B]: tokens, status]; waits for
+    the last."""
     inputs = eng._inputs
     for _ in range(n):
         logits, _, holder[0], status = eng._prefill(

@@ -1417,9 +1417,10 @@ class Engine:
         for r in self._active():
             b = r.slot
             new = int(counts[b]) if counts is not None and counts[b] else int(b in decoding)
-            # Only the call that writes the block's last token completes it: one complete
-            # before the call and still not cached (the store was full of blocks in use)
-            # would not be by waiting, and the head would wait for r's end.
+            # Only the call that writes the block's last token completes it. One complete
+            # before the call and still not cached (the store was full of blocks in use) is
+            # cached, if ever, only when the store frees room: waiting for it could last
+            # until r ends, so the head goes in without it.
             if not new or len(r.blocks) * bt >= end or not r.cached < end <= r.cached + new:
                 continue
             if want is None:
