@@ -1045,14 +1045,17 @@ class Engine:
         """The slots of ended requests that no call in flight writes: a decode call
         dispatched ahead (_dispatch_next) may still compute a row whose request ended on the
         call before it; that slot goes after it."""
-        if self._in_flight is None:
-            return list(self._retiring)
-        busy = {s.slot for s in self._in_flight[1]}
+        busy = self._in_flight_slots()
         return [b for b in self._retiring if b not in busy]
 
-    def _in_call(self, b: int) -> bool:
-        """Whether the call in flight advances slot b's row (its decoding rows)."""
-        return self._in_flight is not None and any(s.slot == b for s in self._in_flight[1])
+    def _in_flight_slots(self) -> set[int]:
+        """The slots whose rows the call in flight advances (its decoding rows)."""
+        return set() if self._in_flight is None else {s.slot for s in self._in_flight[1]}
+
+    def _running(self, rows: list[_Seq]) -> list[_Seq]:
+        """The rows of a call whose request still holds its slot (not ended since the call
+        was dispatched: a call ahead may hold rows that ended on the call before it)."""
+        return [s for s in rows if s.slot is not None and self._slots[s.slot] is s]
 
     def _trim_prefix(self) -> None:
         """Evicts blocks no running request maps (PrefixCache's order) past
@@ -1273,7 +1276,7 @@ class Engine:
             if self._cancels != self._cancels_seen:
                 return None
         backed = self.cache.committed_tokens()
-        in_call = {s.slot for s in call.rows}
+        in_call = self._in_flight_slots()  # call's rows: _complete set it in flight
         rows = []
         for seq in self._active():
             if seq.cached != seq.prefill_target or not seq.generated:
@@ -1307,7 +1310,7 @@ class Engine:
         assert call is not None
         sampled, status, seconds = self._complete(call)
         self.stats.decode_calls += 1
-        running = [s for s in call.rows if s.slot is not None and self._slots[s.slot] is s]
+        running = self._running(call.rows)
         self.stats.wasted_rows += len(call.rows) - len(running)
         self._advance(running, sampled, status)
         return seconds
@@ -1351,8 +1354,7 @@ class Engine:
         # (row, tokens in its slot after the call, tokens generated after the call): a
         # prompt's last piece samples the first token, a re-prefill's samples none. A row of
         # a call dispatched ahead whose request has ended since gets none.
-        running = [seq for seq in rows if seq.slot is not None and self._slots[seq.slot] is seq]
-        nexts = [(seq, seq.cached + 1, len(seq.generated) + 1) for seq in running]
+        nexts = [(seq, seq.cached + 1, len(seq.generated) + 1) for seq in self._running(rows)]
         if counts is not None:
             for b in np.flatnonzero(counts):
                 seq = self._slots[b]
@@ -1494,7 +1496,7 @@ class Engine:
                 # from the next step on; only the unmaps wait for the next call.
                 self._cache_partial(seq)
                 self._retiring[seq.slot] = seq
-            elif self._in_call(seq.slot):
+            elif seq.slot in self._in_flight_slots():
                 # A call dispatched ahead still writes it (a row refused by the attention op
                 # on the call before): released after that call, with no block cached.
                 self._retiring[seq.slot] = seq
