@@ -9,7 +9,8 @@ Per engine and rate: output tokens/s, requests/s, TTFT and inter-token latency p
 for the Engine also peak and mean committed KV bytes against live KV bytes (and the floor of
 one granule per binding and slot in use), decode and prefill compiles after warm-up,
 preemptions, host time per step, and the decode step's time at >= 90% busy slots against the
-bandwidth roofline (weight bytes + live KV bytes per step / 4.8 TB/s).
+bandwidth roofline (weight bytes + live KV bytes per step / 4.8 TB/s, the issue's H200 figure;
+`decode_roofline_ratio_card` divides by the card's own HBM bandwidth, from engine_step's table).
 
 How each engine is timed: the Engine and the dense engine run for real on a wall clock that
 starts at the first arrival, requests submitted as their arrival time passes (between steps),
@@ -45,6 +46,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dense_slots import DenseSlotEngine  # noqa: E402
+from engine_step import HBM_BYTES_PER_S  # noqa: E402
 
 import jax_kv.models as jm  # noqa: E402
 from jax_kv import _ffi  # noqa: E402
@@ -52,7 +54,7 @@ from jax_kv.decode import Generator  # noqa: E402
 from jax_kv.engine import Engine  # noqa: E402
 from jax_kv.memory import ArenaExhausted  # noqa: E402
 
-HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e, the issue's roofline
+ISSUE_HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e: issue 21 defines its roofline by it, on any card
 
 
 class Heartbeat:
@@ -197,6 +199,7 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None,
         bounds: list[int] = []
         host, steps = [], []
         wbytes = weight_bytes(eng.params)
+        card_bandwidth = HBM_BYTES_PER_S.get(jax.devices()[0].device_kind)
         cuda = _ffi.cuda_module()
         calls = (lambda: int(sum(cuda.host_calls().values()))) if cuda is not None else None
         host_calls: list[int] = []  # per decode-only step: 0 = the recorded graph replayed
@@ -248,8 +251,7 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None,
             if rec.prefill_tokens == 0 and rec.decode_rows >= 0.9 * args.slots:
                 # Over the whole step: a call dispatched ahead (Engine(decode_ahead)) runs
                 # across step boundaries, so no part of a step is its device time alone.
-                ideal = (wbytes + live_before) / HBM_BYTES_PER_S
-                roofline.append(ideal / rec.seconds)
+                roofline.append((wbytes + live_before) / rec.seconds)  # bytes/s, divided below
         for i, r in enumerate(reqs):
             c = r.result()
             assert len(c.tokens) == wl.news[i], (i, c.finish_reason)
@@ -325,7 +327,12 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None,
                 (np.mean(held) - np.mean(cached_only))
                 / max(1.0, np.mean(live_kv) + np.mean(floors))
             ),
-            decode_roofline_ratio=float(np.median(roofline)) if roofline else None,
+            decode_roofline_ratio=(
+                float(np.median(roofline)) / ISSUE_HBM_BYTES_PER_S if roofline else None
+            ),
+            decode_roofline_ratio_card=(
+                float(np.median(roofline)) / card_bandwidth if roofline and card_bandwidth else None
+            ),
             arena="vmm" if cache.is_vmm else "eager",
             prefill_tokens_computed=s.prefill_tokens_computed - s0.prefill_tokens_computed,
             prefill_tokens_real=s.prefill_tokens - s0.prefill_tokens,
@@ -545,7 +552,12 @@ def print_row(rate: str, name: str, m: dict, args) -> None:
                 f"copies on write {m['cow_copies']}"
             )
             + (
-                f"; decode at roofline x{m['decode_roofline_ratio']:.2f}"
+                f"; decode at roofline x{m['decode_roofline_ratio']:.2f} of 4.8 TB/s"
+                + (
+                    f", x{m['decode_roofline_ratio_card']:.2f} of this card's"
+                    if m.get("decode_roofline_ratio_card")
+                    else ""
+                )
                 if m["decode_roofline_ratio"]
                 else ""
             )
