@@ -283,7 +283,6 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None,
             # Decode calls dispatched before the previous call's tokens were read, and their
             # rows computed for a request that had ended (Engine(decode_ahead)).
             calls_ahead=s.calls_ahead - s0.calls_ahead,
-            calls_ahead_after_prefill=s.calls_ahead_after_prefill - s0.calls_ahead_after_prefill,
             wasted_rows=s.wasted_rows - s0.wasted_rows,
             peak_committed_kv_bytes=int(max(committed)),
             mean_committed_kv_bytes=float(np.mean(committed)),
@@ -511,8 +510,7 @@ def print_row(rate: str, name: str, m: dict, args) -> None:
             f"{m['prefill_compiles_after_warmup']}, picker compiles "
             f"{m.get('sampler_compiles_after_warmup', '-')}; preemptions {m['preemptions']}; "
             f"decode calls dispatched ahead {m.get('calls_ahead', 0)} of "
-            f"{m['decode_calls']} ({m.get('calls_ahead_after_prefill', 0)} after a prefill "
-            f"call), rows computed for ended requests {m.get('wasted_rows', 0)}; "
+            f"{m['decode_calls']}, rows computed for ended requests {m.get('wasted_rows', 0)}; "
             f"scheduling {m['host_ms_per_step']:.2f} ms/step "
             f"({100 * m['host_fraction']:.1f}%"
             + (

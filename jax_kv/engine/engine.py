@@ -25,10 +25,8 @@ One engine step (`step()`), in Python between jitted calls:
 
 Where the next call is decode only and its rows are known before the call in flight's tokens
 are (no piece to prefill, no admission, no cancel), it is dispatched before the host reads them
-(decode_ahead, the default): its lengths are what each row holds after the call in flight,
-its tokens are the ones that call's picker wrote on the device. That call may be a prefill
-call that finishes every running prompt: its picker writes their first tokens, so their first
-decode call goes ahead too. The device then goes from call to call without
+(decode_ahead, the default): its lengths are one more than each row's, its tokens are the ones
+the last call's picker wrote on the device. The device then goes from call to call without
 waiting for the host; a row whose request stops on the last call's token is computed once for
 nothing and its slot released after that call.
 
@@ -130,10 +128,8 @@ class EngineStats:
     # Decode calls dispatched while the call before them ran, before its tokens were read
     # (Engine._dispatch_next): the device went from one to the next without waiting for the
     # host. Their rows whose request ended on the call before (a stop token, an error) were
-    # computed for nothing: wasted_rows counts them (their tokens are dropped). Of them,
-    # those after a prefill call, whose rows include the slots it finished prompts in.
+    # computed for nothing: wasted_rows counts them (their tokens are dropped).
     calls_ahead: int = 0
-    calls_ahead_after_prefill: int = 0
     wasted_rows: int = 0
     # A call's time (inside step_seconds, not host_seconds) in three: dispatching the step and
     # its picker (JAX's host work, until both are queued; for a call dispatched ahead, whose
@@ -1267,63 +1263,45 @@ class Engine:
 
     def _dispatch_next(self, call: _Pending) -> _Pending | None:
         """Dispatches the decode call after `call` (in flight, its tokens not yet read) where
-        that call is known now: decode only (no slot prefilling after `call`, nothing admitted
-        beside it, no cancel to handle), over `call`'s decoding rows and the slots whose
-        prompt `call` finishes (its first prefill: `call` samples their first token), except
-        those `call`'s token ends by length, each with its next token's memory committed. Its
-        inputs are written in stream order after `call` (StepInputs), its tokens are the ones
-        `call`'s picker writes into the `tokens` input, its lengths what each row holds after
-        `call`. A row whose request ends on `call`'s token (a stop, or an op's refusal) is
-        computed for nothing: its token is dropped and its slot released after this call
-        (_retire skips the rows in flight)."""
-        if not self.decode_ahead or self._ahead:
+        that call is known now: decode only (no piece planned or admitted beside `call`, no
+        slot prefilling, no cancel to handle), over `call`'s rows except those its token ends
+        by length, each with its next token's memory committed. Its inputs are written in
+        stream order after `call` (StepInputs), its tokens are the ones `call`'s picker writes
+        into the `tokens` input, its lengths one more than each row holds now. A row whose
+        request ends on `call`'s token (a stop) is computed for nothing: its token is dropped
+        and its slot released after this call (_retire skips the rows in flight)."""
+        if not self.decode_ahead or call.counts is not None or self._ahead:
             return None
         with self._lock:
             if self._cancels != self._cancels_seen:
                 return None
-        finishing: set[int] = set()  # slots whose prompt `call` finishes
-        if call.counts is not None:
-            for b in np.flatnonzero(call.counts):
-                seq = self._slots[b]
-                # A re-prefill (after a preemption) samples no token: its next input is its
-                # last generated token, not the one the picker wrote.
-                if seq is None or seq.generated:
-                    return None
-                if seq.cached + int(call.counts[b]) != seq.prefill_target:
-                    return None  # its prompt goes on: the next call is a prefill step
-                finishing.add(int(b))
         backed = self.cache.committed_tokens()
-        in_call = self._in_flight_slots()  # call's decoding rows: _complete set it in flight
+        in_call = self._in_flight_slots()  # call's rows: _complete set it in flight
         rows = []
         for seq in self._active():
-            b = seq.slot
-            assert b is not None
-            if b in finishing:
-                after = seq.prefill_target
-            elif seq.cached != seq.prefill_target or not seq.generated:
+            if seq.cached != seq.prefill_target or not seq.generated:
                 return None  # prefilling: the next call is the prefill step
-            elif b not in in_call:
+            if seq.slot not in in_call:
                 return None  # not one of the call's rows: the next planning decides
-            else:
-                after = seq.cached + 1
             if len(seq.generated) + 1 >= seq.max_new:
                 continue  # call's token ends it by length
-            if after + 1 > backed[b]:
+            b = seq.slot
+            assert b is not None
+            if seq.cached + 2 > backed[b]:
                 return None  # its next token needs memory: the next planning commits it
-            rows.append((seq, after))
+            rows.append(seq)
         if not rows:
             return None
         lengths = np.zeros((self.max_slots,), np.int32)
         bound = np.zeros((self.max_slots,), np.int32)
-        for seq, after in rows:
-            lengths[seq.slot] = after
+        for seq in rows:
+            lengths[seq.slot] = seq.cached + 1
             bound[seq.slot] = backed[seq.slot]
         self._inputs.write(lengths=lengths, bound=bound)  # `tokens`: call's picker writes them
         inputs = self._inputs
         args = (inputs["tokens"], self._caches(), inputs["lengths"], inputs["bound"])
         self.stats.calls_ahead += 1
-        self.stats.calls_ahead_after_prefill += bool(finishing)
-        return self._dispatch("decode", args, [seq for seq, _ in rows], None)
+        return self._dispatch("decode", args, rows, None)
 
     def _run_next(self) -> float:
         """Completes the decode call dispatched ahead: its rows whose request is still running

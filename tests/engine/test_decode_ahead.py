@@ -11,14 +11,8 @@ CUDA) and the eager arena:
   token dropped), and its slot is released only after that call: until then it keeps its
   granules; so is a row the attention op refused on the call before;
 - a cancel, a shutdown and a close while a call is ahead end every request, and the arena
-  commits nothing after close;
-- the prefill call that finishes every running prompt is followed by a call ahead over the
-  decoding rows and the slots it finished (their first token from its picker), except a
-  request whose first token is its last; a request stopping on its first token keeps its slot
-  until that call ends; a re-prefill (after a preemption), whose picked token is not the next
-  input, is never followed by one."""
+  commits nothing after close."""
 
-import jax.numpy as jnp
 import pytest
 
 from jax_kv import Sampling
@@ -214,103 +208,5 @@ def test_a_row_refused_on_the_call_before_is_released_after_the_call_ahead(model
             got = c.tokens
             assert got == (want[: len(got)] if i == failed else want)
         assert released and not any(busy for _, busy in released), released
-    finally:
-        close(eng, arena, "host")
-
-
-def test_a_call_is_dispatched_ahead_after_the_prefill_that_finishes_the_prompts(
-    model, generator, rng
-):
-    """The prefill call that finishes every running prompt samples their first tokens into
-    the `tokens` input: the first decode call is dispatched beside it, over those slots,
-    except one whose first token is its last (max_new_tokens=1). A prompt still going on
-    after a call (several pieces) makes the next call a prefill step: none ahead."""
-    eng, arena = build(model, "host", prefill_chunk_tokens=32)
-    try:
-        vocab = model.config.vocab_size
-        a, b, c = ([int(t) for t in rng.integers(3, vocab, n)] for n in (9, 14, 11))
-        ra = eng.submit(a, 6, stop_token_ids=[])
-        rb = eng.submit(b, 5, stop_token_ids=[])
-        rc = eng.submit(c, 1, stop_token_ids=[])
-        eng.step()  # the three prompts in one call (34 > 32: c's last token waits)
-        assert eng.last_step.prefill_tokens == 32 and eng._next is None  # c goes on
-        eng.step()  # c's last token: every prompt finished, a and b decoding beside it
-        assert eng.last_step.prefill_tokens == 2
-        assert eng._next is not None and eng.stats.calls_ahead_after_prefill == 1
-        ahead_rows = sorted(s.request.id for s in eng._next.rows)
-        assert ahead_rows == sorted([ra.id, rb.id])  # not c: its first token ends it
-        eng.run_until_idle()
-        assert ra.result().tokens == solo(generator, a, 6)
-        assert rb.result().tokens == solo(generator, b, 5)
-        assert rc.result().tokens == solo(generator, c, 1)
-        assert eng.stats.wasted_rows == 0
-    finally:
-        close(eng, arena, "host")
-
-
-def test_a_request_that_stops_on_its_first_token_keeps_its_slot_until_the_call_ahead_ends(
-    model, generator, rng
-):
-    """Its first token (the prefill call's) is a stop: the decode call dispatched beside
-    that call computes its row for nothing, and its slot is released after it."""
-    eng, arena = build(model, "host")
-    try:
-        vocab = model.config.vocab_size
-        other = [int(t) for t in rng.integers(3, vocab, 9)]
-        prompt = [int(t) for t in rng.integers(3, vocab, 12)]
-        first = solo(generator, prompt, 1)[0]
-        keep = eng.submit(other, 10, stop_token_ids=[])
-        req = eng.submit(prompt, 10, stop_token_ids=[first])
-        eng.step()  # both prompts; the call ahead has both rows
-        assert req.done and req.result().tokens == [first]
-        b = next(b for b, seq in eng._retiring.items() if seq.request is req)
-        assert eng._next is not None and b in {s.slot for s in eng._next.rows}
-        assert int(eng.cache.granules[b]) > 0  # the call ahead writes its row
-        eng.step()  # completes it: the ended request's token is dropped
-        assert eng.stats.wasted_rows == 1 and req.result().tokens == [first]
-        eng.run_until_idle()
-        assert b not in eng._retiring and int(eng.cache.granules[b]) == 0
-        assert keep.result().tokens == solo(generator, other, 10)
-    finally:
-        close(eng, arena, "host")
-
-
-def test_a_re_prefill_is_not_followed_by_a_call_ahead(model, generator, rng):
-    """After a preemption the request is prefilled again up to its last generated token,
-    which is the next decode call's input; the token the re-prefill's picker writes is not.
-    The re-prefill's logits are negated here (its argmax is then another token): greedy tokens
-    still equal Generator alone, so no call took that token."""
-    c = model.config
-    budget = 12 * granule(model) * 2 * c.num_layers  # 12 granules per binding for 3 slots
-    eng, arena = build(model, "host", max_slots=3, kv_budget_bytes=budget, max_len=256)
-    real = eng._prefill
-    negated = []
-
-    def prefill(params, tokens, cu_seqlens, caches, lengths, committed, decode_tokens, bound):
-        out = real(params, tokens, cu_seqlens, caches, lengths, committed, decode_tokens, bound)
-        logits = out[0]
-        again = [
-            b
-            for b, seq in enumerate(eng._slots)
-            if seq is not None and seq.generated and seq.cached < seq.prefill_target
-        ]
-        if again:
-            negated.extend(again)
-            logits = logits.at[jnp.array(again)].multiply(-1.0)
-        return (logits, *out[1:])
-
-    eng._prefill = prefill
-    try:
-        vocab = c.vocab_size
-        ps = [[int(t) for t in rng.integers(3, vocab, n)] for n in (30, 20, 40, 10, 25)]
-        news = [60, 70, 50, 40, 30]
-        reqs = [eng.submit(p, n, stop_token_ids=[]) for p, n in zip(ps, news, strict=True)]
-        while eng.has_work():
-            eng.step()
-            eng.check_memory()
-        assert eng.stats.preemptions > 0 and negated
-        for p, n, r in zip(ps, news, reqs, strict=True):
-            assert r.result().tokens == solo(generator, p, n)
-        assert eng.stats.calls_ahead_after_prefill > 0
     finally:
         close(eng, arena, "host")

@@ -420,10 +420,8 @@ def test_steps_read_their_inputs_at_fixed_addresses(model, generator, rng):
 def test_a_prefill_piece_and_the_decoding_rows_take_one_call(model, generator, rng, engine):
     """A step with a prefill piece advances the decoding requests in the same call (one pass
     over the weights, the decode kernel for their rows); a step without one runs the decode
-    step. Both requests' tokens equal each generated alone. Serial calls: with calls ahead
-    (test_decode_ahead.py) a's first decode call is dispatched beside its prefill, and b's
-    first piece comes one call later."""
-    eng = engine(model, max_slots=3, prefill_chunk_tokens=32, decode_ahead=False)
+    step. Both requests' tokens equal each generated alone."""
+    eng = engine(model, max_slots=3, prefill_chunk_tokens=32)
     a, b = prompts(rng, model, [7, 50])
     ra = eng.submit(a, 12, stop_token_ids=[])
     eng.step()  # a's prompt: its first token

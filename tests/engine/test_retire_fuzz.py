@@ -149,8 +149,6 @@ def instrument(eng, log):
 
     def dispatch(kind, args, rows, counts):
         state["accepted"] = False  # until this call's caches come back (accept)
-        if kind == "decode":  # a call dispatched ahead writes only lengths and bounds
-            state["inputs"].pop("cu_seqlens", None)
         return real_dispatch(kind, args, rows, counts)
 
     real_write_inputs = eng._write_inputs
