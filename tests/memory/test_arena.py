@@ -172,6 +172,38 @@ def test_exhaustion_is_all_or_nothing_with_bytes_in_the_message():
     assert a.driver._live_handles == set()
 
 
+def test_a_region_past_the_drivers_mapping_limit_is_refused_naming_it():
+    """The CUDA driver refuses mappings past ~524,000 per process (bench/experiments/
+    zero_map_cost.py on an H100): a region maps the zero granule at each granule, so a
+    reservation of slots x max_len can pass it. The refusal names the mappings held and what to
+    reserve instead, and leaves the arena as it was (no zero mapping of the region left)."""
+    a = host_arena(reserve_bytes=64 << 20, granule=G)
+    first = a.allocate(4 * G)
+    before = a.stats()
+    real_map, maps = a.driver.map, [0]
+
+    def map_refusing_past_6(va, handle):
+        maps[0] += 1
+        if maps[0] > 6:
+            raise ArenaExhausted("cuMemMap failed: CUDA_ERROR_OUT_OF_MEMORY")
+        return real_map(va, handle)
+
+    a.driver.map = map_refusing_past_6
+    with pytest.raises(ArenaExhausted) as e:
+        a.allocate(8 * G)  # the 7th zero mapping is refused
+    msg = str(e.value)
+    held = before.zero_mapped_bytes // G + 6
+    assert f"held {held} mappings when the driver refused one" in msg, msg
+    assert "its 8 granules" in msg and "fewer slots or a shorter max_len" in msg, msg
+    assert a.stats().zero_mapped_bytes == before.zero_mapped_bytes
+    a.driver.map = real_map
+    second = a.allocate(8 * G)  # the address space it did not take is still there
+    second.commit(G)
+    assert a.committed_bytes == G
+    del first, second
+    a.close()
+
+
 def test_arena_limit_bytes():
     a = host_arena(reserve_bytes=64 << 20, granule=G, limit_bytes=None)
     a.limit_bytes = 3 * G
