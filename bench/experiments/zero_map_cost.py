@@ -9,7 +9,9 @@ regions; 64 slots x 32k (131,072) fit. This probe measures, with cuda-python onl
   2. the same address space covered by a ZERO_BLOCK-granule handle mapped N / ZERO_BLOCK
      times: does the cost follow the mappings or the bytes mapped?
   3. whether cuMemUnmap accepts a sub-range of a multi-granule mapping (the arena would need
-     it to commit one granule inside a zero block).
+     it to commit one granule inside a zero block), and whether cuMemMap maps a prefix of a
+     larger handle (size < the handle's, offset 0). Run first: on the H100 (2026-12-06) the
+     probe's 60 s limit cut it when it ran last.
 Prints one line per measurement; the last line printed names where it stopped.
 
     python3 bench/experiments/zero_map_cost.py
@@ -89,18 +91,6 @@ def main():
             check(cu.cuMemAddressFree(base, size))
             check(cu.cuMemRelease(handle))
 
-    print("1. one 2 MiB handle mapped at every granule", flush=True)
-    for n in (16_384, 65_536, 131_072, 262_144, 524_288):
-        try:
-            cover(n, 1)
-        except RuntimeError:
-            break
-    print(f"2. a {block}-granule handle mapped at every {block}th granule", flush=True)
-    for n in (131_072, 524_288, 1_048_576):
-        try:
-            cover(n, block)
-        except RuntimeError:
-            break
     print("3. cuMemUnmap of one granule inside a 4-granule mapping", flush=True)
     handle = check(cu.cuMemCreate(4 * g, prop, 0))
     base = int(check(cu.cuMemAddressReserve(4 * g, 0, 0, 0)))
@@ -109,8 +99,24 @@ def main():
     print(f"  unmap [1, 2) of [0, 4): {err.name}", flush=True)
     err = cu.cuMemUnmap(base, 4 * g)[0]
     print(f"  unmap [0, 4): {err.name}", flush=True)
+    err = cu.cuMemMap(base, 2 * g, 0, handle, 0)[0]  # a prefix of the handle
+    print(f"  map granules [0, 2) of a 4-granule handle: {err.name}", flush=True)
+    if err == cu.CUresult.CUDA_SUCCESS:
+        print(f"  unmap it: {cu.cuMemUnmap(base, 2 * g)[0].name}", flush=True)
     check(cu.cuMemAddressFree(base, 4 * g))
     check(cu.cuMemRelease(handle))
+    print("1. one 2 MiB handle mapped at every granule", flush=True)
+    for n in (16_384, 65_536, 131_072, 262_144, 524_288):
+        try:
+            cover(n, 1)
+        except RuntimeError:
+            break
+    print(f"2. a {block}-granule handle mapped at every {block}th granule", flush=True)
+    for n in (131_072, 524_288):
+        try:
+            cover(n, block)
+        except RuntimeError:
+            break
     print("done", flush=True)
 
 
