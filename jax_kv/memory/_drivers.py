@@ -10,6 +10,7 @@ does).
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
 import mmap
@@ -119,14 +120,15 @@ class CudaDriver:
     def free_va(self, base: int, nbytes: int) -> None:
         self._drive("cuMemAddressFree", base, nbytes)
 
-    def create(self) -> Any:
-        return self._drive("cuMemCreate", self.granule, self._prop, 0)
+    def create(self, granules: int = 1) -> Any:
+        return self._drive("cuMemCreate", granules * self.granule, self._prop, 0)
 
     def release(self, handle: Any) -> None:
         self._drive("cuMemRelease", handle)
 
-    def map(self, va: int, handle: Any) -> None:
-        self._drive("cuMemMap", va, self.granule, 0, handle, 0)
+    def map(self, va: int, handle: Any, granules: int = 1) -> None:
+        """Maps the whole of `handle` (`granules` granules: the size it was created with)."""
+        self._drive("cuMemMap", va, granules * self.granule, 0, handle, 0)
 
     def unmap(self, va: int, nbytes: int) -> None:
         self._drive("cuMemUnmap", va, nbytes)
@@ -186,6 +188,9 @@ class HostDriver:
     MAP_SHARED at an address (read-only until `set_access`), so one handle mapped at several
     addresses shows the same bytes everywhere, as cuMemMap of one handle does; `unmap` puts
     read-only anonymous memory back; `release` punches the handle's granule out of the file.
+    A handle of several granules (`create(granules)`) is that many consecutive granules of the
+    file, mapped whole. As CUDA's cuMemUnmap, `unmap` refuses a range that would split a
+    mapping (a part of a multi-granule one), so CI catches what the GPU would refuse.
     `limit_bytes` caps the physical handles that can exist, to test exhaustion;
     `inject_failure` makes the next calls of one operation fail, to test the arena's failure
     paths.
@@ -227,6 +232,10 @@ class HostDriver:
         self._file_handles = 0  # handles the file is sized for
         self._free_handles: list[int] = []  # released handles, their storage punched out
         self._live_handles: set[int] = set()
+        self._blocks: dict[int, int] = {}  # handle -> granules, for handles of more than one
+        # Mappings of more than one granule: start address -> bytes (unmap may not split one).
+        self._wide: dict[int, int] = {}
+        self._wide_starts: list[int] = []  # sorted
         self._failures: dict[str, list[int]] = {}
 
     def inject_failure(self, op: str, times: int = 1, after: int = 0) -> None:
@@ -250,8 +259,11 @@ class HostDriver:
     def make_current(self) -> None:
         pass
 
+    def _live_granules(self) -> int:
+        return len(self._live_handles) + sum(n - 1 for n in self._blocks.values())
+
     def free_memory(self) -> int:
-        return self.limit_bytes - len(self._live_handles) * self.granule
+        return self.limit_bytes - self._live_granules() * self.granule
 
     def reserve(self, nbytes: int) -> int:
         if self.max_reserve_bytes is not None and nbytes > self.max_reserve_bytes:
@@ -268,28 +280,32 @@ class HostDriver:
         if self._libc.munmap(base, nbytes) != 0:
             raise ArenaError(f"munmap failed: errno {ctypes.get_errno()}")
 
-    def create(self) -> int:
+    def create(self, granules: int = 1) -> int:
         self._maybe_fail("create")
-        if (len(self._live_handles) + 1) * self.granule > self.limit_bytes:
+        live = self._live_granules()
+        if (live + granules) * self.granule > self.limit_bytes:
             raise ArenaExhausted(
                 f"host driver: physical limit {self.limit_bytes} bytes reached "
-                f"({len(self._live_handles)} granules of {self.granule} live)"
+                f"({live} granules of {self.granule} live)"
             )
-        if self._free_handles:
+        if granules == 1 and self._free_handles:
             handle = self._free_handles.pop()
-        else:
+        else:  # a block takes fresh consecutive granules at the file's end
             handle = self._file_handles
-            self._file_handles += 1
+            self._file_handles += granules
             os.ftruncate(self._fd, self._file_handles * self.granule)
+        if granules > 1:
+            self._blocks[handle] = granules
         self._live_handles.add(handle)
         return handle
 
     def release(self, handle: int) -> None:
         self._maybe_fail("release")
         self._live_handles.remove(handle)
+        granules = self._blocks.pop(handle, 1)
         # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE: the storage goes (a reuse reads zeros).
-        self._libc.fallocate(self._fd, 0x02 | 0x01, handle * self.granule, self.granule)
-        self._free_handles.append(handle)
+        self._libc.fallocate(self._fd, 0x02 | 0x01, handle * self.granule, granules * self.granule)
+        self._free_handles.extend(range(handle, handle + granules))
 
     @property
     def live_handles(self) -> int:
@@ -300,12 +316,37 @@ class HostDriver:
         if self._libc.mmap(va, nbytes, mmap.PROT_READ, flags, fd, offset) != va:
             raise ArenaError(f"mmap at {va:#x} failed: errno {ctypes.get_errno()}")
 
-    def map(self, va: int, handle: int) -> None:
+    def map(self, va: int, handle: int, granules: int = 1) -> None:
+        """Maps the whole of `handle` (`granules` granules: the size it was created with)."""
         self._maybe_fail("map")
-        self._mmap_fixed(va, self.granule, mmap.MAP_SHARED, self._fd, handle * self.granule)
+        if granules != self._blocks.get(handle, 1):
+            raise ArenaError(
+                f"host driver: map of {granules} granules of a handle of "
+                f"{self._blocks.get(handle, 1)} (a handle is mapped whole)"
+            )
+        nbytes = granules * self.granule
+        self._mmap_fixed(va, nbytes, mmap.MAP_SHARED, self._fd, handle * self.granule)
+        if granules > 1:
+            self._wide[va] = nbytes
+            bisect.insort(self._wide_starts, va)
 
     def unmap(self, va: int, nbytes: int) -> None:
         self._maybe_fail("unmap")
+        end = va + nbytes
+        starts = self._wide_starts
+        lo = bisect.bisect_right(starts, va) - 1  # the wide mapping at or before va
+        hi = bisect.bisect_left(starts, end) - 1  # the last one starting before end
+        for k in range(max(lo, 0), hi + 1):
+            start, size = starts[k], self._wide[starts[k]]
+            if start < end and va < start + size and (start < va or end < start + size):
+                raise ArenaError(
+                    f"host driver: unmap of [{va:#x}, +{nbytes}) splits the mapping at "
+                    f"{start:#x} of {size} bytes (cuMemUnmap refuses it too)"
+                )
+        first = bisect.bisect_left(starts, va)
+        for start in starts[first : hi + 1]:
+            del self._wide[start]
+        del starts[first : hi + 1]
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
         self._mmap_fixed(va, nbytes, flags, -1, 0)  # read-only anonymous: reads zeros
 

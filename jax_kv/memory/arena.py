@@ -44,6 +44,12 @@ from jax_kv.memory._drivers import ArenaError, ArenaExhausted, CudaDriver, HostD
 GiB = 1 << 30
 LADDER_FLOOR = 64 * GiB
 MIN_ALIGN = 256
+# The CUDA driver refuses mappings past about 2^19 per process (bench/experiments/
+# zero_map_cost.py: the 524,097th on an H100, driver 580.159.04). While the zero granule covers
+# at most ZERO_SINGLES_LIMIT granules, a region maps it granule by granule; past that, a new
+# region maps a zeroed handle of ZERO_BLOCK_GRANULES granules once per aligned block of them.
+ZERO_SINGLES_LIMIT = 262_144
+ZERO_BLOCK_GRANULES = 16
 
 _DLPACK_DTYPES = ("bfloat16", "float16", "float32", "int32", "uint32", "uint8")
 
@@ -60,6 +66,8 @@ class ArenaStats:
     live_views: int
     regions: int
     zero_mapped_bytes: int  # address space mapped read-only to the shared zero granule
+    zero_mappings: int  # driver mappings doing it (one per granule, or per zero block)
+    zero_handles: int  # the zero granule and the zero pieces (in handles_live)
     zero_map_calls: int  # maps of the zero granule (one per granule of a region, and on decommit)
     zero_access_calls: int  # read-only set-access calls over zero-mapped runs
     zero_map_seconds: float  # time in those maps and their read-only set-access calls
@@ -144,7 +152,15 @@ class _State:
         self.holds: dict[int, list[Any]] = {}
         self.scratch = 0  # one granule of address space for copy_on_write's copies (lazy)
         self.zero_handle: Any = None  # the shared zeroed granule, mapped read-only
-        self.zero_mapped: set[int] = set()  # granule indices mapped to zero_handle
+        # Zeroed handles of 2, 4, .. zero_block granules (granules -> handle), mapped
+        # read-only in the regions allocated past ZERO_SINGLES_LIMIT: a whole aligned block
+        # as one mapping, a run short of one as a few (created when first needed).
+        self.zero_pieces: dict[int, Any] = {}
+        self.zero_block = ZERO_BLOCK_GRANULES
+        # Zero mappings: start index -> granules (1: zero_handle; zero_block: the block), and
+        # every granule index they cover -> the start of its mapping.
+        self.zero_maps: dict[int, int] = {}
+        self.zero_mapped: dict[int, int] = {}
         self.quarantined: dict[int, Any] = {}  # granule index -> handle whose unmap failed
         self.unreleased: list[Any] = []  # unmapped handles whose release failed
         self.pool: list[Any] = []
@@ -187,12 +203,13 @@ class _State:
         d, g = self.driver, self.driver.granule
         attempt(d.make_current)
         attempt(d.synchronize)
-        for index in sorted({*self.mapped, *self.zero_mapped, *self.quarantined}):
+        for index in sorted({*self.mapped, *self.quarantined}):
             self.counts["unmap"] += attempt(d.unmap, self.base + index * g, g)
+        for start, granules in sorted(self.zero_maps.items()):
+            self.counts["unmap"] += attempt(d.unmap, self.base + start * g, granules * g)
         handles = [*self.mapped.values(), *self.pool, *self.quarantined.values(), *self.unreleased]
         handles += [h for h, _ in self.holds.values()]
-        if self.zero_handle is not None:
-            handles.append(self.zero_handle)
+        handles += [h for h in (self.zero_handle, *self.zero_pieces.values()) if h is not None]
         # A shared handle appears once per mapping: each is released once.
         for handle in {id(h): h for h in handles}.values():
             self.counts["release"] += attempt(d.release, handle)
@@ -201,8 +218,10 @@ class _State:
         self.holds.clear()
         self.pool.clear()
         self.zero_mapped.clear()
+        self.zero_maps.clear()
         self.quarantined.clear()
         self.unreleased.clear()
+        self.zero_pieces.clear()
         self.zero_handle = None
         if self.reserved:
             attempt(d.free_va, self.base, self.reserved)
@@ -236,6 +255,7 @@ class Region:
         self.nbytes = nbytes
         self.freed = False
         self.closing = False  # being freed: decommitted granules are not zero-mapped again
+        self.zero_blocks = False  # its aligned blocks of granules map the zero block handle
         self.granules = 0  # committed granules, kept by the arena
 
     @property
@@ -310,6 +330,10 @@ class VmmArena:
         limit_bytes: cap on this arena's physical memory (committed + pooled); None: the
             device's.
         driver: a HostDriver for CPU use/tests; default CudaDriver(device).
+        zero_singles_limit: granules the zero granule covers one mapping each before a new
+            region maps it in blocks (default ZERO_SINGLES_LIMIT, half the driver's mappings).
+        zero_block_granules: granules of the zero block (default ZERO_BLOCK_GRANULES: 32 MiB
+            of device memory at 2 MiB granules, allocated only when a region needs it).
     """
 
     def __init__(
@@ -320,8 +344,13 @@ class VmmArena:
         pool_bytes: int | None = None,
         limit_bytes: int | None = None,
         driver: Any = None,
+        zero_singles_limit: int = ZERO_SINGLES_LIMIT,
+        zero_block_granules: int = ZERO_BLOCK_GRANULES,
     ) -> None:
         from jax_kv.config import runtime_config
+
+        if zero_block_granules < 1:
+            raise ValueError(f"zero_block_granules: expected >= 1, got {zero_block_granules}")
 
         config = runtime_config()
         if driver is None:
@@ -336,6 +365,8 @@ class VmmArena:
         self.granule: int = driver.granule
         self.pool_target = config.pool_bytes if pool_bytes is None else int(pool_bytes)
         self.limit_bytes = limit_bytes
+        self.zero_singles_limit = int(zero_singles_limit)
+        self._state.zero_block = int(zero_block_granules)
         self._free_va: list[tuple[int, int]] = []  # (offset, size), sorted, coalesced
         self._regions: dict[int, Region] = {}
         self._starts: list[int] = []  # sorted region offsets
@@ -390,7 +421,8 @@ class VmmArena:
         self._counts["create"] += 1
         d.map(s.base, s.zero_handle)
         self._counts["zero_map"] += 1
-        s.zero_mapped.add(0)
+        s.zero_maps[0] = 1
+        s.zero_mapped[0] = 0
         d.set_access(s.base, g)
         d.zero(s.base, g)
         d.finish_copies()
@@ -531,6 +563,8 @@ class VmmArena:
             live_views=len(self._views),
             regions=len(self._regions),
             zero_mapped_bytes=len(self._state.zero_mapped) * self.granule,
+            zero_mappings=len(self._state.zero_maps),
+            zero_handles=(self._state.zero_handle is not None) + len(self._state.zero_pieces),
             zero_map_calls=c["zero_map"],
             zero_access_calls=c["zero_access"],
             zero_map_seconds=self._zero_map_seconds,
@@ -577,36 +611,39 @@ class VmmArena:
         if nbytes <= 0:
             raise ValueError(f"nbytes: expected > 0, got {nbytes}")
         size = _round_up(int(nbytes), self.granule)
+        g, s = self.granule, self._state
         with self._lock:
             self._check_open()
+            # Past the singles' limit a region is aligned to whole zero blocks, and maps them.
+            blocks = s.zero_block > 1 and len(s.zero_mapped) + size // g > self.zero_singles_limit
             for attempt in range(2):
-                for i, (off, free) in enumerate(self._free_va):
-                    if free >= size:
-                        g = self.granule
-                        indices = range(off // g, (off + size) // g)
-                        try:
-                            self._map_zero(indices)
-                        except ArenaError as error:
-                            held = len(self._state.zero_mapped) + len(self._state.mapped)
-                            self._unmap_zero(indices, strict=False)
-                            if isinstance(error, ArenaExhausted):
-                                raise ArenaExhausted(
-                                    f"{error}, allocating {size} bytes: a region maps the "
-                                    f"read-only zero granule at each of its {len(indices)} "
-                                    f"granules, and this arena held {held} mappings when the "
-                                    f"driver refused one. The CUDA driver refuses mappings "
-                                    f"past about 524,000 per process (measured on an H100, "
-                                    f"driver 580.159.04, at 16 bytes of device memory each), "
-                                    f"so reserve less: fewer slots or a shorter max_len"
-                                ) from error
-                            raise
-                        self._free_va[i : i + 1] = (
-                            [(off + size, free - size)] if free > size else []
-                        )
-                        region = Region(self, off, size, int(nbytes))
-                        self._regions[off] = region
-                        bisect.insort(self._starts, off)
-                        return region
+                off = self._take_va(size, s.zero_block * g if blocks else g)
+                if off is not None:
+                    region = Region(self, off, size, int(nbytes))
+                    region.zero_blocks = blocks
+                    self._regions[off] = region
+                    bisect.insort(self._starts, off)
+                    indices = range(off // g, (off + size) // g)
+                    try:
+                        self._map_zero(indices)
+                    except ArenaError as error:
+                        held = len(s.zero_maps) + len(s.mapped)
+                        self._unmap_zero(indices, strict=False)
+                        del self._regions[off]
+                        self._starts.remove(off)
+                        self._give_back_va(off, size)
+                        if isinstance(error, ArenaExhausted):
+                            raise ArenaExhausted(
+                                f"{error}, allocating {size} bytes: a region maps the "
+                                f"read-only zero granule over each of its {len(indices)} "
+                                f"granules, and this arena held {held} mappings when the "
+                                f"driver refused one. The CUDA driver refuses mappings "
+                                f"past about 524,000 per process (measured on an H100, "
+                                f"driver 580.159.04, at 16 bytes of device memory each), "
+                                f"so reserve less: fewer slots or a shorter max_len"
+                            ) from error
+                        raise
+                    return region
                 if attempt == 0 and self._pending:
                     self.flush()
             raise ArenaExhausted(
@@ -614,6 +651,31 @@ class VmmArena:
                 f"{self._state.reserved}, free {self.free_va_bytes} (largest free range "
                 f"{max((s for _, s in self._free_va), default=0)})"
             )
+
+    def _take_va(self, size: int, align: int) -> int | None:
+        """The offset of `size` bytes of free address space starting at a multiple of
+        `align` (first fit), taken from the free list; None if no range has room."""
+        for i, (off, free) in enumerate(self._free_va):
+            start = _round_up(off, align)
+            if start - off + size <= free:
+                end = off + free
+                left = [(off, start - off)] if start > off else []
+                right = [(start + size, end - start - size)] if start + size < end else []
+                self._free_va[i : i + 1] = left + right
+                return start
+        return None
+
+    def _give_back_va(self, off: int, size: int) -> None:
+        """Returns [off, off + size) to the free list, coalesced with its neighbours."""
+        self._free_va.append((off, size))
+        self._free_va.sort()
+        merged: list[tuple[int, int]] = []
+        for start, n in self._free_va:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            else:
+                merged.append((start, n))
+        self._free_va = merged
 
     def _free(self, region: Region) -> None:
         with self._lock:
@@ -633,15 +695,7 @@ class VmmArena:
             self._starts.remove(region.offset)
             if any(i in self._state.quarantined for i in indices):
                 return  # its address space keeps the quarantined granules: never reused
-            self._free_va.append((lo, region.reserved_bytes))
-            self._free_va.sort()
-            merged: list[tuple[int, int]] = []
-            for off, size in self._free_va:
-                if merged and merged[-1][0] + merged[-1][1] == off:
-                    merged[-1] = (merged[-1][0], merged[-1][1] + size)
-                else:
-                    merged.append((off, size))
-            self._free_va = merged
+            self._give_back_va(lo, region.reserved_bytes)
 
     def _check_open(self) -> None:
         if self._state.closed:
@@ -649,8 +703,12 @@ class VmmArena:
 
     # -- the zero granule ------------------------------------------------------------------
 
-    def _map_zero(self, indices: Iterable[int]) -> None:
-        """Maps the zero granule read-only at each granule index (one set-access per run)."""
+    def _map_zero(self, indices: Iterable[int], *, reform: bool = True) -> None:
+        """Maps zeros read-only at each granule index not backed (one set-access per run).
+        In a region of zero blocks, each run of them inside one aligned block is mapped as a
+        few pieces (powers of two: 15 granules are 8 + 4 + 2 + 1), and a block that would then
+        read zeros throughout is mapped as one block, its pieces unmapped first (unless not
+        `reform`)."""
         s, d, g = self._state, self._state.driver, self.granule
         todo = sorted(i for i in indices if i not in s.zero_mapped and i not in s.mapped)
         if not todo:
@@ -658,27 +716,115 @@ class VmmArena:
         t0 = time.perf_counter()
         d.make_current()
         try:
-            for index in todo:
-                d.map(s.base + index * g, s.zero_handle)
-                self._counts["zero_map"] += 1
-                s.zero_mapped.add(index)
-            for first, count in _runs(todo):
+            covered = set(todo)
+            for start, granules in self._zero_pieces_for(todo, reform):
+                # A whole block's granules that already read zeros make way for it.
+                self._unmap_zero([j for j in range(start, start + granules) if j in s.zero_mapped])
+                self._map_zero_at(start, granules)
+                covered.update(range(start, start + granules))
+            for first, count in _runs(sorted(covered)):
                 d.set_access(s.base + first * g, count * g, read_only=True)
                 self._counts["zero_access"] += 1
         finally:
             self._zero_map_seconds += time.perf_counter() - t0
 
-    def _unmap_zero(self, indices: Iterable[int], *, strict: bool = True) -> None:
+    def _zero_pieces_for(self, todo: list[int], reform: bool) -> list[tuple[int, int]]:
+        """(start, granules) of the zero mappings that cover `todo` (sorted): one granule
+        each outside regions of zero blocks; inside them, whole aligned blocks (with the
+        granules that already read zeros, where `reform`) and power-of-two pieces of the
+        runs between."""
+        s, z = self._state, self._state.zero_block
+        pieces: list[tuple[int, int]] = []
+        wanted = set(todo)
+        for first, count in _runs(todo):
+            region = self._region_of(first)
+            if z == 1 or region is None or not region.zero_blocks:
+                pieces += [(i, 1) for i in range(first, first + count)]
+                continue
+            i, end = first, first + count
+            while i < end:
+                c = i - i % z
+                block = range(c, c + z)
+                if (
+                    reform
+                    and self._region_of(c) is region
+                    and self._region_of(c + z - 1) is region
+                    and all(j in wanted or j in s.zero_mapped for j in block)
+                ):
+                    if not pieces or pieces[-1][0] != c:
+                        pieces.append((c, z))
+                    i = c + z
+                    continue
+                stop = min(end, c + z)  # the run's part inside this block
+                while i < stop:
+                    n = 1 << ((stop - i).bit_length() - 1)
+                    pieces.append((i, n))
+                    i += n
+        return pieces
+
+    def _map_zero_at(self, start: int, granules: int) -> None:
+        """One read-only zero mapping of `granules` at granule `start`: the zero granule, or a
+        zero piece of that size (created and zeroed when first needed). Its set-access is the
+        caller's."""
         s, d, g = self._state, self._state.driver, self.granule
-        for index in sorted(i for i in indices if i in s.zero_mapped):
+        if granules == 1:
+            d.map(s.base + start * g, s.zero_handle)
+        else:
+            if granules not in s.zero_pieces:
+                self._make_zero_piece(granules)
+            d.map(s.base + start * g, s.zero_pieces[granules], granules)
+        self._counts["zero_map"] += 1
+        s.zero_maps[start] = granules
+        for j in range(start, start + granules):
+            s.zero_mapped[j] = start
+
+    def _make_zero_piece(self, granules: int) -> None:
+        """Creates a zero piece of `granules`: zeroed through a read-write mapping at an
+        address range of its own, unmapped there after (regions map it read-only)."""
+        s, d, g = self._state, self._state.driver, self.granule
+        n = granules * g
+        handle = d.create(granules)
+        self._counts["create"] += 1
+        va = d.reserve(n)
+        try:
+            d.map(va, handle, granules)
+            d.set_access(va, n)
+            d.zero(va, n)
+            d.finish_copies()
+            d.unmap(va, n)
+        except BaseException:
+            d.release(handle)
+            raise
+        finally:
+            d.free_va(va, n)
+        s.zero_pieces[granules] = handle
+
+    def _unmap_zero(self, indices: Iterable[int], *, strict: bool = True) -> None:
+        """Unmaps the zero mappings at these granule indices. A block or piece is unmapped
+        whole: its other granules get zeros back, as pieces."""
+        s, d, g = self._state, self._state.driver, self.granule
+        gone = {i for i in indices if i in s.zero_mapped}
+        rest: list[int] = []
+        for start in sorted({s.zero_mapped[i] for i in gone}):
+            granules = s.zero_maps[start]
             try:
-                d.unmap(s.base + index * g, g)
+                d.unmap(s.base + start * g, granules * g)
             except ArenaError:
                 if strict:
                     raise
                 continue
             self._counts["unmap"] += 1
-            s.zero_mapped.discard(index)
+            del s.zero_maps[start]
+            for j in range(start, start + granules):
+                del s.zero_mapped[j]
+                if j not in gone:
+                    rest.append(j)
+        if rest:
+            try:
+                self._map_zero(rest, reform=False)
+            except ArenaError:
+                if strict:
+                    raise  # the granules not mapped back count as unbacked (stats)
 
     def _unbacked_granules(self) -> int:
         s, g = self._state, self.granule
@@ -880,6 +1026,7 @@ class VmmArena:
         unzeroed: list[int] = []
         try:
             d.make_current()
+            self._unzero(list(dst_span), unzeroed)
             for handle, j in zip(handles, dst_span, strict=True):
                 self._map_at(j, handle, unzeroed)
                 done.append(j)
@@ -908,14 +1055,23 @@ class VmmArena:
         self._share_seconds += seconds
         return CommitReport(len(dst_span), len(dst_span), len(runs), seconds)
 
+    def _unzero(self, indices: list[int], unzeroed: list[int]) -> None:
+        """The zero mappings at `indices`, about to be mapped, go in one pass (a zero block
+        is unmapped once, its other granules mapped back once); the indices that read zeros
+        are appended to `unzeroed`, for the caller's rollback."""
+        s = self._state
+        zeroed = [i for i in indices if i in s.zero_mapped]
+        try:
+            self._unmap_zero(zeroed)
+        finally:
+            unzeroed.extend(i for i in zeroed if i not in s.zero_mapped)
+
     def _map_at(self, index: int, handle: Any, unzeroed: list[int]) -> None:
         """Maps `handle` at granule `index`; the zero granule's mapping there makes way first
         (its index appended to `unzeroed`, for the caller's rollback)."""
         s, d, g = self._state, self._state.driver, self.granule
         if index in s.zero_mapped:
-            d.unmap(s.base + index * g, g)
-            self._counts["unmap"] += 1
-            s.zero_mapped.discard(index)
+            self._unmap_zero([index])
             unzeroed.append(index)
         d.map(s.base + index * g, handle)
         self._counts["map"] += 1
@@ -1090,6 +1246,7 @@ class VmmArena:
                 while len(s.pool) + len(handles) < len(missing):
                     handles.append(self._create(in_flight=len(handles)))
                 handles = [s.pool.pop() for _ in range(len(missing) - len(handles))] + handles
+                self._unzero(missing, unzeroed)
                 for index, handle in zip(missing, handles, strict=True):
                     self._map_at(index, handle, unzeroed)
                     mapped_now.append((index, handle))
@@ -1391,11 +1548,14 @@ def host_arena(
     limit_bytes: int | None = None,
     pool_bytes: int = 0,
     device: Any = None,
+    **zero: int,
 ) -> VmmArena:
     """A VmmArena over host memory (HostDriver), its views placed on the JAX CPU `device`
-    (default the first)."""
+    (default the first); `zero`: VmmArena's zero_singles_limit, zero_block_granules."""
     driver = HostDriver(granule=granule, total_memory=reserve_bytes, limit_bytes=limit_bytes)
-    return VmmArena(device, driver=driver, reserve_bytes=reserve_bytes, pool_bytes=pool_bytes)
+    return VmmArena(
+        device, driver=driver, reserve_bytes=reserve_bytes, pool_bytes=pool_bytes, **zero
+    )
 
 
 __all__ = [
