@@ -134,7 +134,7 @@ for s in $STAGES; do
     serving)
       stage "GPU tests of the serving stack (slot cache, shared granules, packed prefill, engine)"
       timeout -k 10 ${SERVING_TIMEOUT:-330} python3 -m pytest -m gpu tests/cache/test_slots.py \
-        tests/memory/test_shared_granules.py tests/memory/test_held_granules.py \
+        tests/memory/test_shared_granules.py tests/memory/test_held_granules.py tests/memory/test_zero_blocks.py \
         tests/memory/test_cuda_driver_threads.py \
         tests/ops/test_gqa_prefill_packed.py \
         tests/ops/test_committed_bound.py tests/engine tests/test_stubs.py -q -p no:cacheprovider \
