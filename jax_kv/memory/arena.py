@@ -45,9 +45,9 @@ GiB = 1 << 30
 LADDER_FLOOR = 64 * GiB
 MIN_ALIGN = 256
 # The CUDA driver refuses mappings past about 2^19 per process (bench/experiments/
-# zero_map_cost.py: the 524,097th on an H100, driver 580.159.04). While the zero granule covers
-# at most ZERO_SINGLES_LIMIT granules, a region maps it granule by granule; past that, a new
-# region maps a zeroed handle of ZERO_BLOCK_GRANULES granules once per aligned block of them.
+# zero_map_cost.py: the 524,097th on an H100, driver 580.159.04). While the process's arenas
+# hold at most ZERO_SINGLES_LIMIT mappings, a region maps zeros granule by granule; past that,
+# a new region maps a zeroed handle of ZERO_BLOCK_GRANULES granules once per aligned block.
 ZERO_SINGLES_LIMIT = 262_144
 ZERO_BLOCK_GRANULES = 16
 
@@ -108,6 +108,16 @@ FAULT_COUNTERS = ("ref_underflows", "unaccounted_committed_bytes", "unbacked_byt
 # Every arena constructed in this process and not yet garbage-collected: the test suite checks
 # the fault counters of each after every test.
 _LIVE_ARENAS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _process_mappings(kind: str) -> int:
+    """The driver mappings this process's open arenas of one driver kind hold (committed and
+    zero): the CUDA driver's limit on mappings is per process, not per arena."""
+    return sum(
+        len(a._state.mapped) + len(a._state.zero_maps)
+        for a in list(_LIVE_ARENAS)
+        if not a._state.closed and a._state.driver.kind == kind
+    )
 
 
 def live_arenas() -> list[VmmArena]:
@@ -330,8 +340,9 @@ class VmmArena:
         limit_bytes: cap on this arena's physical memory (committed + pooled); None: the
             device's.
         driver: a HostDriver for CPU use/tests; default CudaDriver(device).
-        zero_singles_limit: granules the zero granule covers one mapping each before a new
-            region maps it in blocks (default ZERO_SINGLES_LIMIT, half the driver's mappings).
+        zero_singles_limit: driver mappings this process's arenas may hold (committed and
+            zero, all arenas together) before a new region maps zeros in blocks (default
+            ZERO_SINGLES_LIMIT, half of what the CUDA driver allows a process).
         zero_block_granules: granules of the zero block (default ZERO_BLOCK_GRANULES: 32 MiB
             of device memory at 2 MiB granules, allocated only when a region needs it).
     """
@@ -615,7 +626,10 @@ class VmmArena:
         with self._lock:
             self._check_open()
             # Past the singles' limit a region is aligned to whole zero blocks, and maps them.
-            blocks = s.zero_block > 1 and len(s.zero_mapped) + size // g > self.zero_singles_limit
+            blocks = (
+                s.zero_block > 1
+                and _process_mappings(s.driver.kind) + size // g > self.zero_singles_limit
+            )
             for attempt in range(2):
                 off = self._take_va(size, s.zero_block * g if blocks else g)
                 if off is not None:

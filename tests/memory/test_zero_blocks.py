@@ -22,6 +22,7 @@ from host_bytes import fill, read
 
 from jax_kv.memory import ArenaError, ArenaExhausted, host_arena
 from jax_kv.memory._drivers import HostDriver
+from jax_kv.memory.arena import live_arenas
 
 G = 64 << 10
 Z = 4  # granules per zero block in these tests
@@ -156,14 +157,27 @@ def test_below_the_limit_each_granule_is_one_mapping():
     a.close()
 
 
-def test_the_limit_switches_new_regions_to_blocks():
-    a = host_arena(reserve_bytes=256 << 20, granule=G, zero_singles_limit=12, zero_block_granules=Z)
-    small = a.allocate(8 * G)  # 1 + 8 granules covered: singles
-    big = a.allocate(8 * G)  # 1 + 8 + 8 > 12: blocks
+def test_the_limit_switches_new_regions_to_blocks_counting_every_arena_of_the_process():
+    """The driver's limit is per process: the mappings of every open arena count."""
+    gc.collect()
+    held = sum(
+        a.stats().zero_mappings + len(a._state.mapped)
+        for a in live_arenas()
+        if not a.closed and a.driver.kind == "cpu"
+    )
+    limit = held + 1 + 8 + 2  # this test's first arena: its zero granule, 8 granules, 2 more
+    kw = dict(reserve_bytes=256 << 20, granule=G, zero_singles_limit=limit, zero_block_granules=Z)
+    a = host_arena(**kw)
+    small = a.allocate(8 * G)  # 1 + 8 mappings of this arena: singles
+    b = host_arena(**kw)  # another arena: its zero granule is one more mapping of the process
+    big = b.allocate(8 * G)  # 9 + 1 + 8 > limit - held: blocks
     assert not small.zero_blocks and big.zero_blocks
-    assert a.stats().zero_mappings == 1 + 8 + 2
-    del small, big
+    assert b.stats().zero_mappings == 1 + 2
     a.close()
+    small2 = b.allocate(2 * G)  # a closed, its mappings gone: singles again
+    assert not small2.zero_blocks
+    del small, big, small2
+    b.close()
 
 
 def test_the_host_driver_refuses_to_unmap_part_of_a_mapping():
