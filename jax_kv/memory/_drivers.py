@@ -10,7 +10,6 @@ does).
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import ctypes.util
 import mmap
@@ -185,12 +184,13 @@ class HostDriver:
     The reservation is read-only anonymous address space (MAP_NORESERVE): reading bytes that
     were never committed returns zeros (the kernel's shared zero page, as the GPU arena's zero
     granule), writing them faults. A physical handle is one granule of a memfd; `map` maps it
-    MAP_SHARED at an address (read-only until `set_access`), so one handle mapped at several
+    MAP_SHARED at an address (no access until `set_access`), so one handle mapped at several
     addresses shows the same bytes everywhere, as cuMemMap of one handle does; `unmap` puts
     read-only anonymous memory back; `release` punches the handle's granule out of the file.
     A handle of several granules (`create(granules)`) is that many consecutive granules of the
-    file, mapped whole. As CUDA's cuMemUnmap, `unmap` refuses a range that would split a
-    mapping (a part of a multi-granule one), so CI catches what the GPU would refuse.
+    file, mapped whole. As CUDA does, a new mapping has no access until `set_access` (a read
+    faults), `map` refuses an address already mapped and `unmap` a range that would split a
+    mapping, so CI catches what the GPU would refuse.
     `limit_bytes` caps the physical handles that can exist, to test exhaustion;
     `inject_failure` makes the next calls of one operation fail, to test the arena's failure
     paths.
@@ -234,8 +234,11 @@ class HostDriver:
         self._live_handles: set[int] = set()
         self._blocks: dict[int, int] = {}  # handle -> granules, for handles of more than one
         # Mappings of more than one granule: start address -> bytes (unmap may not split one).
-        self._wide: dict[int, int] = {}
-        self._wide_starts: list[int] = []  # sorted
+        # The mappings, as CUDA keeps them: start address -> bytes, and the start of the
+        # mapping each mapped granule belongs to (a map over one, or an unmap of part of one,
+        # is refused).
+        self._mappings: dict[int, int] = {}
+        self._owner: dict[int, int] = {}
         self._failures: dict[str, list[int]] = {}
 
     def inject_failure(self, op: str, times: int = 1, after: int = 0) -> None:
@@ -279,6 +282,10 @@ class HostDriver:
     def free_va(self, base: int, nbytes: int) -> None:
         if self._libc.munmap(base, nbytes) != 0:
             raise ArenaError(f"munmap failed: errno {ctypes.get_errno()}")
+        for va in range(base, base + nbytes, self.granule):
+            start = self._owner.pop(va, None)
+            if start is not None:
+                self._mappings.pop(start, None)
 
     def create(self, granules: int = 1) -> int:
         self._maybe_fail("create")
@@ -311,9 +318,11 @@ class HostDriver:
     def live_handles(self) -> int:
         return len(self._live_handles)
 
-    def _mmap_fixed(self, va: int, nbytes: int, flags: int, fd: int, offset: int) -> None:
+    def _mmap_fixed(
+        self, va: int, nbytes: int, flags: int, fd: int, offset: int, prot: int = mmap.PROT_READ
+    ) -> None:
         flags |= 0x10  # MAP_FIXED: replaces whatever is mapped there
-        if self._libc.mmap(va, nbytes, mmap.PROT_READ, flags, fd, offset) != va:
+        if self._libc.mmap(va, nbytes, prot, flags, fd, offset) != va:
             raise ArenaError(f"mmap at {va:#x} failed: errno {ctypes.get_errno()}")
 
     def map(self, va: int, handle: int, granules: int = 1) -> None:
@@ -325,28 +334,31 @@ class HostDriver:
                 f"{self._blocks.get(handle, 1)} (a handle is mapped whole)"
             )
         nbytes = granules * self.granule
-        self._mmap_fixed(va, nbytes, mmap.MAP_SHARED, self._fd, handle * self.granule)
-        if granules > 1:
-            self._wide[va] = nbytes
-            bisect.insort(self._wide_starts, va)
+        spots = range(va, va + nbytes, self.granule)
+        if any(a in self._owner for a in spots):
+            raise ArenaError(f"host driver: map at {va:#x} over a mapping (cuMemMap refuses it)")
+        # No access until set_access, as a new CUDA mapping: a read before it faults.
+        prot = getattr(mmap, "PROT_NONE", 0)
+        self._mmap_fixed(va, nbytes, mmap.MAP_SHARED, self._fd, handle * self.granule, prot)
+        self._mappings[va] = nbytes
+        for a in spots:
+            self._owner[a] = va
 
     def unmap(self, va: int, nbytes: int) -> None:
         self._maybe_fail("unmap")
         end = va + nbytes
-        starts = self._wide_starts
-        lo = bisect.bisect_right(starts, va) - 1  # the wide mapping at or before va
-        hi = bisect.bisect_left(starts, end) - 1  # the last one starting before end
-        for k in range(max(lo, 0), hi + 1):
-            start, size = starts[k], self._wide[starts[k]]
-            if start < end and va < start + size and (start < va or end < start + size):
+        spots = range(va, end, self.granule)
+        starts = {self._owner[a] for a in spots if a in self._owner}
+        for start in starts:
+            size = self._mappings[start]
+            if start < va or end < start + size:
                 raise ArenaError(
                     f"host driver: unmap of [{va:#x}, +{nbytes}) splits the mapping at "
                     f"{start:#x} of {size} bytes (cuMemUnmap refuses it too)"
                 )
-        first = bisect.bisect_left(starts, va)
-        for start in starts[first : hi + 1]:
-            del self._wide[start]
-        del starts[first : hi + 1]
+        for start in starts:
+            for a in range(start, start + self._mappings.pop(start), self.granule):
+                del self._owner[a]
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
         self._mmap_fixed(va, nbytes, flags, -1, 0)  # read-only anonymous: reads zeros
 

@@ -343,8 +343,9 @@ class VmmArena:
         zero_singles_limit: driver mappings this process's arenas may hold (committed and
             zero, all arenas together) before a new region maps zeros in blocks (default
             ZERO_SINGLES_LIMIT, half of what the CUDA driver allows a process).
-        zero_block_granules: granules of the zero block (default ZERO_BLOCK_GRANULES: 32 MiB
-            of device memory at 2 MiB granules, allocated only when a region needs it).
+        zero_block_granules: granules of the zero block, a power of two (default
+            ZERO_BLOCK_GRANULES). The zero pieces (2, 4, .. that many granules: 60 MiB of
+            device memory at 16 and 2 MiB granules) are made when a region first needs them.
     """
 
     def __init__(
@@ -360,8 +361,10 @@ class VmmArena:
     ) -> None:
         from jax_kv.config import runtime_config
 
-        if zero_block_granules < 1:
-            raise ValueError(f"zero_block_granules: expected >= 1, got {zero_block_granules}")
+        if zero_block_granules < 1 or zero_block_granules & (zero_block_granules - 1):
+            raise ValueError(
+                f"zero_block_granules: expected a power of two, got {zero_block_granules}"
+            )
 
         config = runtime_config()
         if driver is None:
@@ -630,8 +633,12 @@ class VmmArena:
                 s.zero_block > 1
                 and _process_mappings(s.driver.kind) + size // g > self.zero_singles_limit
             )
+            if blocks:
+                self._make_zero_pieces()  # before the region: a refusal leaves nothing behind
             for attempt in range(2):
                 off = self._take_va(size, s.zero_block * g if blocks else g)
+                if off is None and blocks:
+                    off = self._take_va(size, g)  # unaligned: its whole blocks start later
                 if off is not None:
                     region = Region(self, off, size, int(nbytes))
                     region.zero_blocks = blocks
@@ -723,24 +730,52 @@ class VmmArena:
         few pieces (powers of two: 15 granules are 8 + 4 + 2 + 1), and a block that would then
         read zeros throughout is mapped as one block, its pieces unmapped first (unless not
         `reform`)."""
-        s, d, g = self._state, self._state.driver, self.granule
+        s, d = self._state, self._state.driver
         todo = sorted(i for i in indices if i not in s.zero_mapped and i not in s.mapped)
         if not todo:
             return
         t0 = time.perf_counter()
         d.make_current()
+        mapped: list[int] = []  # granules of the mappings made here (no access until set)
         try:
-            covered = set(todo)
             for start, granules in self._zero_pieces_for(todo, reform):
                 # A whole block's granules that already read zeros make way for it.
                 self._unmap_zero([j for j in range(start, start + granules) if j in s.zero_mapped])
                 self._map_zero_at(start, granules)
-                covered.update(range(start, start + granules))
-            for first, count in _runs(sorted(covered)):
+                mapped.extend(range(start, start + granules))
+        finally:
+            # A new mapping has no access until it is set: set it on what was mapped, also
+            # when a later map failed (those granules must read zeros, not fault).
+            try:
+                self._allow_zero_reads(mapped)
+            finally:
+                self._zero_map_seconds += time.perf_counter() - t0
+
+    def _allow_zero_reads(self, mapped: list[int]) -> None:
+        """Read-only access on the zero mappings just made (their granules, `mapped`), one
+        call per run. Where the driver refuses, those mappings are taken back (unbacked, for
+        the caller's rollback) rather than left to fault a read; then it raises."""
+        s, d, g = self._state, self._state.driver, self.granule
+        error: ArenaError | None = None
+        for first, count in _runs(sorted(mapped)):
+            try:
                 d.set_access(s.base + first * g, count * g, read_only=True)
                 self._counts["zero_access"] += 1
-        finally:
-            self._zero_map_seconds += time.perf_counter() - t0
+                continue
+            except ArenaError as e:
+                error = error or e
+            for start in sorted({s.zero_mapped[j] for j in range(first, first + count)}):
+                granules = s.zero_maps[start]
+                try:
+                    d.unmap(s.base + start * g, granules * g)
+                except ArenaError:
+                    continue  # still mapped without access: nothing more to do here
+                self._counts["unmap"] += 1
+                del s.zero_maps[start]
+                for j in range(start, start + granules):
+                    del s.zero_mapped[j]
+        if error is not None:
+            raise error
 
     def _zero_pieces_for(self, todo: list[int], reform: bool) -> list[tuple[int, int]]:
         """(start, granules) of the zero mappings that cover `todo` (sorted): one granule
@@ -750,7 +785,7 @@ class VmmArena:
         s, z = self._state, self._state.zero_block
         pieces: list[tuple[int, int]] = []
         wanted = set(todo)
-        for first, count in _runs(todo):
+        for first, count in self._runs_by_region(todo):
             region = self._region_of(first)
             if z == 1 or region is None or not region.zero_blocks:
                 pieces += [(i, 1) for i in range(first, first + count)]
@@ -776,21 +811,44 @@ class VmmArena:
                     i += n
         return pieces
 
+    def _runs_by_region(self, indices: list[int]) -> list[tuple[int, int]]:
+        """_runs(indices) (sorted), each split where one region ends: a zero piece never
+        spans two regions."""
+        g = self.granule
+        out: list[tuple[int, int]] = []
+        for first, count in _runs(indices):
+            i, end = first, first + count
+            while i < end:
+                region = self._region_of(i)
+                last = i + 1 if region is None else (region.offset + region.reserved_bytes) // g
+                stop = min(end, last)
+                out.append((i, stop - i))
+                i = stop
+        return out
+
     def _map_zero_at(self, start: int, granules: int) -> None:
-        """One read-only zero mapping of `granules` at granule `start`: the zero granule, or a
-        zero piece of that size (created and zeroed when first needed). Its set-access is the
-        caller's."""
+        """One zero mapping of `granules` at granule `start`: the zero granule, or the zero
+        piece of that size (allocate made them). Its set-access is the caller's."""
         s, d, g = self._state, self._state.driver, self.granule
         if granules == 1:
             d.map(s.base + start * g, s.zero_handle)
         else:
-            if granules not in s.zero_pieces:
-                self._make_zero_piece(granules)
             d.map(s.base + start * g, s.zero_pieces[granules], granules)
         self._counts["zero_map"] += 1
         s.zero_maps[start] = granules
         for j in range(start, start + granules):
             s.zero_mapped[j] = start
+
+    def _make_zero_pieces(self) -> None:
+        """Creates the zero pieces a region of blocks maps (2, 4, .. zero_block granules), all
+        at once when the first such region is allocated: made later, under memory pressure, a
+        commit or a release could find no memory for one."""
+        s = self._state
+        size = 2
+        while size <= s.zero_block:
+            if size not in s.zero_pieces:
+                self._make_zero_piece(size)
+            size *= 2
 
     def _make_zero_piece(self, granules: int) -> None:
         """Creates a zero piece of `granules`: zeroed through a read-write mapping at an
@@ -799,19 +857,33 @@ class VmmArena:
         n = granules * g
         handle = d.create(granules)
         self._counts["create"] += 1
-        va = d.reserve(n)
+        try:
+            va = d.reserve(n)
+        except BaseException:
+            d.release(handle)
+            raise
+        mapped = False
         try:
             d.map(va, handle, granules)
+            mapped = True
             d.set_access(va, n)
             d.zero(va, n)
             d.finish_copies()
             d.unmap(va, n)
+            mapped = False
         except BaseException:
-            d.release(handle)
+            if mapped:
+                try:
+                    d.unmap(va, n)
+                    mapped = False
+                except ArenaError:
+                    s.unreleased.append(handle)  # still mapped there: never freed under it
+            if not mapped:
+                d.release(handle)
+                d.free_va(va, n)
             raise
-        finally:
-            d.free_va(va, n)
-        s.zero_pieces[granules] = handle
+        s.zero_pieces[granules] = handle  # recorded first: close() releases it whatever follows
+        d.free_va(va, n)
 
     def _unmap_zero(self, indices: Iterable[int], *, strict: bool = True) -> None:
         """Unmaps the zero mappings at these granule indices. A block or piece is unmapped
@@ -819,13 +891,15 @@ class VmmArena:
         s, d, g = self._state, self._state.driver, self.granule
         gone = {i for i in indices if i in s.zero_mapped}
         rest: list[int] = []
+        error: ArenaError | None = None
         for start in sorted({s.zero_mapped[i] for i in gone}):
             granules = s.zero_maps[start]
             try:
                 d.unmap(s.base + start * g, granules * g)
-            except ArenaError:
+            except ArenaError as e:
+                error = error or e
                 if strict:
-                    raise
+                    break  # the rest of the blocks unmapped so far still go back below
                 continue
             self._counts["unmap"] += 1
             del s.zero_maps[start]
@@ -836,9 +910,10 @@ class VmmArena:
         if rest:
             try:
                 self._map_zero(rest, reform=False)
-            except ArenaError:
-                if strict:
-                    raise  # the granules not mapped back count as unbacked (stats)
+            except ArenaError as e:
+                error = error or e  # the granules not mapped back count as unbacked (stats)
+        if error is not None and strict:
+            raise error
 
     def _unbacked_granules(self) -> int:
         s, g = self._state, self.granule
@@ -1075,10 +1150,16 @@ class VmmArena:
         are appended to `unzeroed`, for the caller's rollback."""
         s = self._state
         zeroed = [i for i in indices if i in s.zero_mapped]
+        # Every granule of the mappings touched: a block's other granules are mapped back as
+        # pieces, and where that fails the caller's rollback maps them too.
+        touched = [
+            j for start in {s.zero_mapped[i] for i in zeroed}
+            for j in range(start, start + s.zero_maps[start])
+        ]  # fmt: skip
         try:
             self._unmap_zero(zeroed)
         finally:
-            unzeroed.extend(i for i in zeroed if i not in s.zero_mapped)
+            unzeroed.extend(j for j in touched if j not in s.zero_mapped)
 
     def _map_at(self, index: int, handle: Any, unzeroed: list[int]) -> None:
         """Maps `handle` at granule `index`; the zero granule's mapping there makes way first

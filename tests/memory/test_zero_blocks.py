@@ -289,3 +289,68 @@ def test_zero_blocks_on_cuda():
     region.free()
     arena.close()
     assert arena.stats().handles_live == 0
+
+
+def test_every_zero_piece_is_made_with_the_first_region_of_blocks(arena):
+    """Made later, a commit or a release under memory pressure could find no memory for one."""
+    assert not arena._state.zero_pieces
+    arena.allocate(3 * G)
+    assert sorted(arena._state.zero_pieces) == [2, 4]
+    with pytest.raises(ValueError, match="power of two"):
+        host_arena(reserve_bytes=64 << 20, granule=G, zero_block_granules=3)
+
+
+@pytest.mark.parametrize("op", ["map", "unmap", "set_access"])
+def test_one_driver_failure_anywhere_in_a_commit_or_share_leaves_zeros_readable(op):
+    """One failure at each driver call of a commit inside a block, of one across two blocks and
+    of a share: the call is refused, every granule not committed still reads zeros (a zero
+    mapping without access would fault the read), the fault counters stay zero, and the arena
+    commits once the driver does."""
+    for after in range(12):
+        for scenario in ("inside", "across", "share"):
+            a = blocks_arena()
+            src = a.allocate(4 * G)
+            src.commit(4 * G)
+            fill(a, src, 0, 4 * G, 7)
+            r = a.allocate(8 * G)
+            r.commit(G)
+            a.driver.inject_failure(op, after=after)
+            try:
+                if scenario == "inside":
+                    r.commit(3 * G)
+                elif scenario == "across":
+                    r.commit(6 * G)
+                else:
+                    a.share(src, 0, r, 2 * G, 4 * G)
+            except ArenaError:
+                pass
+            a.driver._failures.clear()
+            first = r.offset // G
+            for j in range(8):
+                if first + j in a._state.mapped:
+                    continue
+                assert first + j in a._state.zero_mapped, (op, after, scenario, j)
+                assert (read(a, r, j * G, G) == 0).all(), (op, after, scenario, j)
+            s = a.stats()
+            assert not any(s.faults.values()) or s.quarantined_bytes, (op, after, scenario)
+            if not s.quarantined_bytes:
+                r.commit(8 * G)
+                assert r.committed_bytes == 8 * G
+            del src, r
+            gc.collect()
+            a.close()
+
+
+def test_a_failure_while_making_a_zero_piece_leaves_nothing_behind():
+    for op in ("map", "set_access", "unmap"):
+        a = blocks_arena()
+        live = a.driver.live_handles  # the zero granule
+        a.driver.inject_failure(op)
+        with pytest.raises(ArenaError):
+            a.allocate(8 * G)
+        assert a.driver.live_handles == live and not a._state.zero_pieces, op
+        r = a.allocate(8 * G)  # and it works once the driver does
+        assert (read(a, r, 0, 8 * G) == 0).all()
+        del r
+        a.close()
+        assert a.driver.live_handles == 0
