@@ -7,6 +7,7 @@ and a read after remapping. Prints each call's result (OK or the error name).
 """
 
 from cuda.bindings import driver as cu
+from vmm_setup import access, open_device
 
 
 def c(r):
@@ -20,33 +21,11 @@ def k(r):
     return v
 
 
-k(cu.cuInit(0))
-dev = k(cu.cuDeviceGet(0))
-ctx = k(cu.cuDevicePrimaryCtxRetain(dev))
-k(cu.cuCtxSetCurrent(ctx))
-p = cu.CUmemAllocationProp()
-p.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-p.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-p.location.id = 0
-g = int(
-    k(
-        cu.cuMemGetAllocationGranularity(
-            p, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-        )
-    )
-)
+p, g = open_device()
 
 
 def D(ro):
-    d = cu.CUmemAccessDesc()
-    d.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    d.location.id = 0
-    d.flags = (
-        cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
-        if ro
-        else cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-    )
-    return [d]
+    return access(bool(ro))
 
 
 def R(n):

@@ -21,13 +21,7 @@ import os
 import time
 
 from cuda.bindings import driver as cu
-
-
-def check(result):
-    err, *values = result if isinstance(result, tuple) else (result,)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(cu.cuGetErrorString(err)[1].decode())
-    return values[0] if len(values) == 1 else (values or None)
+from vmm_setup import access, check, open_device
 
 
 def free_bytes() -> int:
@@ -36,22 +30,10 @@ def free_bytes() -> int:
 
 
 def main():
-    check(cu.cuInit(0))
-    dev = check(cu.cuDeviceGet(0))
-    ctx = check(cu.cuDevicePrimaryCtxRetain(dev))
-    check(cu.cuCtxSetCurrent(ctx))
-    prop = cu.CUmemAllocationProp()
-    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    prop.location.id = 0
-    flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-    g = int(check(cu.cuMemGetAllocationGranularity(prop, flag)))
+    prop, g = open_device()
     run = int(os.environ.get("RUN", "64"))  # granules per set-access (a layer's K of a slot)
     block = int(os.environ.get("ZERO_BLOCK", "16"))
-    reads = cu.CUmemAccessDesc()
-    reads.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    reads.location.id = 0
-    reads.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+    reads = access(read_only=True)
     total = int(check(cu.cuMemGetInfo())[1])
     print(f"granule {g >> 20} MiB, device {total / 2**30:.1f} GiB, run {run}", flush=True)
 
@@ -70,7 +52,7 @@ def main():
                 for i in range(start, start + count, per_map):
                     check(cu.cuMemMap(base + i * g, per_map * g, 0, handle, 0))
                     mapped += 1
-                check(cu.cuMemSetAccess(base + start * g, count * g, [reads], 1))
+                check(cu.cuMemSetAccess(base + start * g, count * g, reads, 1))
             used = free0 - free_bytes()
             print(
                 f"  {n_granules:>8} granules ({size / 2**30:7.0f} GiB) as {mapped:>7} maps of"
