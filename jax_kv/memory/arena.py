@@ -164,11 +164,11 @@ class _State:
         self.zero_handle: Any = None  # the shared zeroed granule, mapped read-only
         # Zeroed handles of 2, 4, .. zero_block granules (granules -> handle), mapped
         # read-only in the regions allocated past ZERO_SINGLES_LIMIT: a whole aligned block
-        # as one mapping, a run short of one as a few (created when first needed).
+        # as one mapping, a run short of one as a few (all made with the first such region).
         self.zero_pieces: dict[int, Any] = {}
         self.zero_block = ZERO_BLOCK_GRANULES
-        # Zero mappings: start index -> granules (1: zero_handle; zero_block: the block), and
-        # every granule index they cover -> the start of its mapping.
+        # Zero mappings: start index -> granules (1: zero_handle; more: the zero piece of that
+        # size), and every granule index they cover -> the start of its mapping.
         self.zero_maps: dict[int, int] = {}
         self.zero_mapped: dict[int, int] = {}
         self.quarantined: dict[int, Any] = {}  # granule index -> handle whose unmap failed
@@ -345,7 +345,7 @@ class VmmArena:
             ZERO_SINGLES_LIMIT, half of what the CUDA driver allows a process).
         zero_block_granules: granules of the zero block, a power of two (default
             ZERO_BLOCK_GRANULES). The zero pieces (2, 4, .. that many granules: 60 MiB of
-            device memory at 16 and 2 MiB granules) are made when a region first needs them.
+            device memory at 16 and 2 MiB granules) are made with the first region of blocks.
     """
 
     def __init__(
