@@ -233,7 +233,6 @@ class HostDriver:
         self._free_handles: list[int] = []  # released handles, their storage punched out
         self._live_handles: set[int] = set()
         self._blocks: dict[int, int] = {}  # handle -> granules, for handles of more than one
-        # Mappings of more than one granule: start address -> bytes (unmap may not split one).
         # The mappings, as CUDA keeps them: start address -> bytes, and the start of the
         # mapping each mapped granule belongs to (a map over one, or an unmap of part of one,
         # is refused).

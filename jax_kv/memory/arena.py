@@ -1117,7 +1117,7 @@ class VmmArena:
             d.make_current()
             self._unzero(list(dst_span), unzeroed)
             for handle, j in zip(handles, dst_span, strict=True):
-                self._map_at(j, handle, unzeroed)
+                self._map_at(j, handle)
                 done.append(j)
             runs = _runs(list(dst_span))
             for first, count in runs:
@@ -1161,13 +1161,9 @@ class VmmArena:
         finally:
             unzeroed.extend(j for j in touched if j not in s.zero_mapped)
 
-    def _map_at(self, index: int, handle: Any, unzeroed: list[int]) -> None:
-        """Maps `handle` at granule `index`; the zero granule's mapping there makes way first
-        (its index appended to `unzeroed`, for the caller's rollback)."""
+    def _map_at(self, index: int, handle: Any) -> None:
+        """Maps `handle` at granule `index` (its zero mapping already gone: _unzero)."""
         s, d, g = self._state, self._state.driver, self.granule
-        if index in s.zero_mapped:
-            self._unmap_zero([index])
-            unzeroed.append(index)
         d.map(s.base + index * g, handle)
         self._counts["map"] += 1
 
@@ -1343,7 +1339,7 @@ class VmmArena:
                 handles = [s.pool.pop() for _ in range(len(missing) - len(handles))] + handles
                 self._unzero(missing, unzeroed)
                 for index, handle in zip(missing, handles, strict=True):
-                    self._map_at(index, handle, unzeroed)
+                    self._map_at(index, handle)
                     mapped_now.append((index, handle))
                 runs = _runs(missing)
                 for first, count in runs:
