@@ -47,9 +47,14 @@ MIN_ALIGN = 256
 # The CUDA driver refuses mappings past about 2^19 per process (bench/experiments/
 # zero_map_cost.py: the 524,097th on an H100, driver 580.159.04). While the process's arenas
 # hold at most ZERO_SINGLES_LIMIT mappings, a region maps zeros granule by granule; past that,
-# a new region maps a zeroed handle of ZERO_BLOCK_GRANULES granules once per aligned block.
+# a new region is aligned to blocks of ZERO_BLOCK_GRANULES (Z) granules and maps each block as
+# buddy pieces from its start, [0], [1], [2-3], [4-7], .., [Z/2 .. Z-1]: log2(Z) + 1 mappings
+# (6 at Z = 32). A row grows from its start, so committing its granules 0..k-1 splits at most
+# one piece and releasing them forms the same pieces again. Z = 32 makes a 32-granule row (the
+# 8B shape at 32k tokens in 2 MiB granules) one block; its zeroed handles (2 .. 16 granules)
+# take 60 MiB at 2 MiB granules.
 ZERO_SINGLES_LIMIT = 262_144
-ZERO_BLOCK_GRANULES = 16
+ZERO_BLOCK_GRANULES = 32
 
 _DLPACK_DTYPES = ("bfloat16", "float16", "float32", "int32", "uint32", "uint8")
 
@@ -66,9 +71,9 @@ class ArenaStats:
     live_views: int
     regions: int
     zero_mapped_bytes: int  # address space mapped read-only to the shared zero granule
-    zero_mappings: int  # driver mappings doing it (one per granule, or per zero block)
+    zero_mappings: int  # driver mappings doing it (one per granule, or per buddy piece)
     zero_handles: int  # the zero granule and the zero pieces (in handles_live)
-    zero_map_calls: int  # maps of the zero granule (one per granule of a region, and on decommit)
+    zero_map_calls: int  # zero mappings made (at allocate, commit splits a piece, decommit)
     zero_access_calls: int  # read-only set-access calls over zero-mapped runs
     zero_map_seconds: float  # time in those maps and their read-only set-access calls
     zero_fill_calls: int  # device memsets of newly committed granules (one per run)
@@ -162,9 +167,11 @@ class _State:
         self.holds: dict[int, list[Any]] = {}
         self.scratch = 0  # one granule of address space for copy_on_write's copies (lazy)
         self.zero_handle: Any = None  # the shared zeroed granule, mapped read-only
-        # Zeroed handles of 2, 4, .. zero_block granules (granules -> handle), mapped
-        # read-only in the regions allocated past ZERO_SINGLES_LIMIT: a whole aligned block
-        # as one mapping, a run short of one as a few (all made with the first such region).
+        # Zeroed handles of 2, 4, .. zero_block / 2 granules (granules -> handle), mapped
+        # read-only in the regions allocated past ZERO_SINGLES_LIMIT: an aligned block that
+        # reads zeros is its buddy pieces [0], [1], [2-3], .. [Z/2 .. Z-1] (the single ones
+        # zero_handle), a piece split by a commit a few aligned smaller ones (all the handles
+        # made with the first such region).
         self.zero_pieces: dict[int, Any] = {}
         self.zero_block = ZERO_BLOCK_GRANULES
         # Zero mappings: start index -> granules (1: zero_handle; more: the zero piece of that
@@ -265,7 +272,7 @@ class Region:
         self.nbytes = nbytes
         self.freed = False
         self.closing = False  # being freed: decommitted granules are not zero-mapped again
-        self.zero_blocks = False  # its aligned blocks of granules map the zero block handle
+        self.zero_blocks = False  # its aligned blocks of granules map zeros as buddy pieces
         self.granules = 0  # committed granules, kept by the arena
 
     @property
@@ -343,9 +350,11 @@ class VmmArena:
         zero_singles_limit: driver mappings this process's arenas may hold (committed and
             zero, all arenas together) before a new region maps zeros in blocks (default
             ZERO_SINGLES_LIMIT, half of what the CUDA driver allows a process).
-        zero_block_granules: granules of the zero block, a power of two (default
-            ZERO_BLOCK_GRANULES). The zero pieces (2, 4, .. that many granules: 60 MiB of
-            device memory at 16 and 2 MiB granules) are made with the first region of blocks.
+        zero_block_granules: Z, granules of a zero block, a power of two (default
+            ZERO_BLOCK_GRANULES). A block that reads zeros is log2(Z) + 1 mappings, its buddy
+            pieces [0], [1], [2-3], .. [Z/2 .. Z-1]; their zeroed handles (2, 4, .. Z/2
+            granules: 60 MiB of device memory at Z = 32 and 2 MiB granules) are made with the
+            first region of blocks. 1: granule by granule always.
     """
 
     def __init__(
@@ -628,7 +637,7 @@ class VmmArena:
         g, s = self.granule, self._state
         with self._lock:
             self._check_open()
-            # Past the singles' limit a region is aligned to whole zero blocks, and maps them.
+            # Past the singles' limit a region is aligned to a zero block, and maps its pieces.
             blocks = (
                 s.zero_block > 1
                 and _process_mappings(s.driver.kind) + size // g > self.zero_singles_limit
@@ -638,7 +647,7 @@ class VmmArena:
             for attempt in range(2):
                 off = self._take_va(size, s.zero_block * g if blocks else g)
                 if off is None and blocks:
-                    off = self._take_va(size, g)  # unaligned: its whole blocks start later
+                    off = self._take_va(size, g)  # unaligned: its first pieces are split
                 if off is not None:
                     region = Region(self, off, size, int(nbytes))
                     region.zero_blocks = blocks
@@ -726,10 +735,12 @@ class VmmArena:
 
     def _map_zero(self, indices: Iterable[int], *, reform: bool = True) -> None:
         """Maps zeros read-only at each granule index not backed (one set-access per run).
-        In a region of zero blocks, each run of them inside one aligned block is mapped as a
-        few pieces (powers of two: 15 granules are 8 + 4 + 2 + 1), and a block that would then
-        read zeros throughout is mapped as one block, its pieces unmapped first (unless not
-        `reform`)."""
+        In a region of zero blocks the mappings are buddy pieces (_zero_pieces_for): where
+        `reform` and a granule's canonical piece would read zeros throughout, the piece is
+        mapped whole, the smaller pieces inside it unmapped first; otherwise the granules are
+        mapped as aligned pieces of it. If one of those smaller pieces cannot be unmapped,
+        that piece's granules are mapped as aligned pieces instead and the error is raised
+        once the rest is mapped (every granule still reads zeros)."""
         s, d = self._state, self._state.driver
         todo = sorted(i for i in indices if i not in s.zero_mapped and i not in s.mapped)
         if not todo:
@@ -737,10 +748,20 @@ class VmmArena:
         t0 = time.perf_counter()
         d.make_current()
         mapped: list[int] = []  # granules of the mappings made here (no access until set)
+        error: ArenaError | None = None
         try:
             for start, granules in self._zero_pieces_for(todo, reform):
-                # A whole block's granules that already read zeros make way for it.
-                self._unmap_zero([j for j in range(start, start + granules) if j in s.zero_mapped])
+                inside = [j for j in range(start, start + granules) if j in s.zero_mapped]
+                if inside:
+                    try:
+                        self._unmap_zero(inside)  # a piece's smaller pieces make way for it
+                    except ArenaError as e:
+                        error = error or e
+                        back = [j for j in range(start, start + granules) if j not in s.zero_mapped]
+                        for first, n in self._zero_pieces_for(back, reform=False):
+                            self._map_zero_at(first, n)
+                            mapped.extend(range(first, first + n))
+                        continue
                 self._map_zero_at(start, granules)
                 mapped.extend(range(start, start + granules))
         finally:
@@ -750,6 +771,8 @@ class VmmArena:
                 self._allow_zero_reads(mapped)
             finally:
                 self._zero_map_seconds += time.perf_counter() - t0
+        if error is not None:
+            raise error
 
     def _allow_zero_reads(self, mapped: list[int]) -> None:
         """Read-only access on the zero mappings just made (their granules, `mapped`), one
@@ -779,9 +802,11 @@ class VmmArena:
 
     def _zero_pieces_for(self, todo: list[int], reform: bool) -> list[tuple[int, int]]:
         """(start, granules) of the zero mappings that cover `todo` (sorted): one granule
-        each outside regions of zero blocks; inside them, whole aligned blocks (with the
-        granules that already read zeros, where `reform`) and power-of-two pieces of the
-        runs between."""
+        each outside regions of zero blocks. Inside them, a granule's canonical piece
+        (_canonical_piece) whole where `reform` and each of its granules, in the same region,
+        is in `todo` or already reads zeros; else the run's part inside that piece as aligned
+        pieces, each n granules at a multiple of n from the block's start (the largest that
+        fits): [4-7] less granule 4 is [5], [6-7], so committing 5 next splits nothing."""
         s, z = self._state, self._state.zero_block
         pieces: list[tuple[int, int]] = []
         wanted = set(todo)
@@ -792,21 +817,22 @@ class VmmArena:
                 continue
             i, end = first, first + count
             while i < end:
-                c = i - i % z
-                block = range(c, c + z)
+                start, granules = _canonical_piece(i, z)
+                last = start + granules - 1
                 if (
                     reform
-                    and self._region_of(c) is region
-                    and self._region_of(c + z - 1) is region
-                    and all(j in wanted or j in s.zero_mapped for j in block)
+                    and self._region_of(start) is region
+                    and self._region_of(last) is region
+                    and all(j in wanted or j in s.zero_mapped for j in range(start, last + 1))
                 ):
-                    if not pieces or pieces[-1][0] != c:
-                        pieces.append((c, z))
-                    i = c + z
+                    pieces.append((start, granules))
+                    i = last + 1
                     continue
-                stop = min(end, c + z)  # the run's part inside this block
+                stop = min(end, last + 1)  # the run's part inside this canonical piece
                 while i < stop:
                     n = 1 << ((stop - i).bit_length() - 1)
+                    if i % z:
+                        n = min(n, i % z & -(i % z))  # aligned: at a multiple of its size
                     pieces.append((i, n))
                     i += n
         return pieces
@@ -840,12 +866,13 @@ class VmmArena:
             s.zero_mapped[j] = start
 
     def _make_zero_pieces(self) -> None:
-        """Creates the zero pieces a region of blocks maps (2, 4, .. zero_block granules), all
-        at once when the first such region is allocated: made later, under memory pressure, a
-        commit or a release could find no memory for one."""
+        """Creates the zero pieces a region of blocks maps (2, 4, .. zero_block / 2 granules:
+        a block's largest buddy piece is half of it; none at 2), all at once when the first
+        such region is allocated: made later, under memory pressure, a commit or a release
+        could find no memory for one."""
         s = self._state
         size = 2
-        while size <= s.zero_block:
+        while size < s.zero_block:
             if size not in s.zero_pieces:
                 self._make_zero_piece(size)
             size *= 2
@@ -886,8 +913,9 @@ class VmmArena:
         d.free_va(va, n)
 
     def _unmap_zero(self, indices: Iterable[int], *, strict: bool = True) -> None:
-        """Unmaps the zero mappings at these granule indices. A block or piece is unmapped
-        whole: its other granules get zeros back, as pieces."""
+        """Unmaps the zero mappings at these granule indices. A piece is unmapped whole
+        (cuMemUnmap cannot unmap part of a mapping): its other granules get zeros back, as
+        the aligned pieces they split into ([4-7] less 4: [5], [6-7])."""
         s, d, g = self._state, self._state.driver, self.granule
         gone = {i for i in indices if i in s.zero_mapped}
         rest: list[int] = []
@@ -899,7 +927,7 @@ class VmmArena:
             except ArenaError as e:
                 error = error or e
                 if strict:
-                    break  # the rest of the blocks unmapped so far still go back below
+                    break  # the rest of the pieces unmapped so far still go back below
                 continue
             self._counts["unmap"] += 1
             del s.zero_maps[start]
@@ -1145,13 +1173,13 @@ class VmmArena:
         return CommitReport(len(dst_span), len(dst_span), len(runs), seconds)
 
     def _unzero(self, indices: list[int], unzeroed: list[int]) -> None:
-        """The zero mappings at `indices`, about to be mapped, go in one pass (a zero block
+        """The zero mappings at `indices`, about to be mapped, go in one pass (a zero piece
         is unmapped once, its other granules mapped back once); the indices that read zeros
         are appended to `unzeroed`, for the caller's rollback."""
         s = self._state
         zeroed = [i for i in indices if i in s.zero_mapped]
-        # Every granule of the mappings touched: a block's other granules are mapped back as
-        # pieces, and where that fails the caller's rollback maps them too.
+        # Every granule of the mappings touched: a piece's other granules are mapped back as
+        # smaller pieces, and where that fails the caller's rollback maps them too.
         touched = [
             j for start in {s.zero_mapped[i] for i in zeroed}
             for j in range(start, start + s.zero_maps[start])
@@ -1619,6 +1647,16 @@ class VmmArena:
     @property
     def driver(self) -> Any:
         return self._state.driver
+
+
+def _canonical_piece(index: int, z: int) -> tuple[int, int]:
+    """(start, granules) of the buddy piece holding granule `index` when its aligned block of
+    `z` granules reads zeros: [0], [1], [2-3], [4-7], .. [z/2 .. z-1] from the block's start."""
+    r = index % z
+    if r == 0:
+        return index, 1
+    n = 1 << (r.bit_length() - 1)
+    return index - r + n, n
 
 
 def _runs(sorted_indices: Sequence[int]) -> list[tuple[int, int]]:
