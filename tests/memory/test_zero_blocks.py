@@ -240,14 +240,15 @@ def row_request_calls(z, k, *, blocks):
 
 @pytest.mark.parametrize("z", [2, 4, 8, 32])
 def test_a_row_growing_from_its_start_costs_about_what_granule_by_granule_does(z):
-    """The bound, for k = 1..z: each commit unmaps one piece (granule j's, which starts at
-    j) and maps back the aligned pieces of its rest; each granule's real mapping is unmapped
-    at the end, and the canonical pieces over [0, k) mapped. A split piece's rest is mapped
-    once and unmapped once: either by a later commit (that unmap and the canonical piece's
-    map at the end replace the granule's own map and unmap granule by granule) or, in the
-    piece holding k - 1 only, at the end. So blocks cost exactly e(k) more zero maps and e(k)
-    more unmaps, e(k) = popcount(end - k) the aligned pieces of [k, end), end the end of k-1's
-    canonical piece: at most log2(z) - 1 each (k = z/2 + 1), 2 (log2(z) - 1) together."""
+    """The bound, proved for a row of z granules and k = 1..z. Granule by granule a request
+    costs k zero maps (at the release) and 2k unmaps (each commit's zero granule, each granule
+    at the release). With buddy pieces, commit j unmaps the one piece starting at j (k unmaps,
+    P of them canonical pieces, P those meeting [0, k)) and maps the aligned pieces of its
+    rest; each of those is unmapped later by a commit (k - P of them) or, e(k) in k-1's
+    canonical piece, at the release, which also unmaps the k granules and maps the P canonical
+    pieces. So zero maps = (k - P + e(k)) + P = k + e(k) and unmaps = 2k + e(k): e(k) more of
+    each, e(k) = popcount(end - k) the aligned pieces of [k, end), end the end of k-1's
+    canonical piece; at most log2(z) - 1 each (k = z/2 + 1), 2 (log2(z) - 1) together."""
     log2 = z.bit_length() - 1
     for k in range(1, z + 1):
         maps_b, unmaps_b = row_request_calls(z, k, blocks=True)
