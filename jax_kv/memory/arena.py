@@ -740,7 +740,9 @@ class VmmArena:
         mapped whole, the smaller pieces inside it unmapped first; otherwise the granules are
         mapped as aligned pieces of it. If one of those smaller pieces cannot be unmapped,
         that piece's granules are mapped as aligned pieces instead and the error is raised
-        once the rest is mapped (every granule still reads zeros)."""
+        once the rest is mapped; if the piece's own map is refused, the granules that read
+        zeros before this call are mapped back as aligned pieces before the error goes up
+        (the others stay unbacked, for the caller's rollback, as without blocks)."""
         s, d = self._state, self._state.driver
         todo = sorted(i for i in indices if i not in s.zero_mapped and i not in s.mapped)
         if not todo:
@@ -757,12 +759,13 @@ class VmmArena:
                         self._unmap_zero(inside)  # a piece's smaller pieces make way for it
                     except ArenaError as e:
                         error = error or e
-                        back = [j for j in range(start, start + granules) if j not in s.zero_mapped]
-                        for first, n in self._zero_pieces_for(back, reform=False):
-                            self._map_zero_at(first, n)
-                            mapped.extend(range(first, first + n))
+                        self._map_zero_split(range(start, start + granules), mapped)
                         continue
-                self._map_zero_at(start, granules)
+                try:
+                    self._map_zero_at(start, granules)
+                except ArenaError:
+                    self._map_zero_split(inside, mapped)
+                    raise
                 mapped.extend(range(start, start + granules))
         finally:
             # A new mapping has no access until it is set: set it on what was mapped, also
@@ -774,13 +777,30 @@ class VmmArena:
         if error is not None:
             raise error
 
+    def _map_zero_split(self, indices: Iterable[int], mapped: list[int]) -> None:
+        """_map_zero's fallback where a piece could not be formed: those of `indices` that
+        read nothing are mapped as aligned pieces, each tried once (a refused one stays
+        unbacked: stats().unbacked_bytes); their granules are appended to `mapped`."""
+        s = self._state
+        back = sorted(
+            j
+            for j in indices
+            if j not in s.zero_mapped and j not in s.mapped and j not in s.quarantined
+        )
+        for first, n in self._zero_pieces_for(back, reform=False):
+            try:
+                self._map_zero_at(first, n)
+            except ArenaError:
+                continue
+            mapped.extend(range(first, first + n))
+
     def _allow_zero_reads(self, mapped: list[int]) -> None:
         """Read-only access on the zero mappings just made (their granules, `mapped`), one
         call per run. Where the driver refuses, those mappings are taken back (unbacked, for
         the caller's rollback) rather than left to fault a read; then it raises."""
         s, d, g = self._state, self._state.driver, self.granule
         error: ArenaError | None = None
-        for first, count in _runs(sorted(mapped)):
+        for first, count in _runs(sorted(set(mapped))):
             try:
                 d.set_access(s.base + first * g, count * g, read_only=True)
                 self._counts["zero_access"] += 1
@@ -825,7 +845,8 @@ class VmmArena:
                     and self._region_of(last) is region
                     and all(j in wanted or j in s.zero_mapped for j in range(start, last + 1))
                 ):
-                    pieces.append((start, granules))
+                    if not pieces or pieces[-1][0] != start:  # two runs of one piece
+                        pieces.append((start, granules))
                     i = last + 1
                     continue
                 stop = min(end, last + 1)  # the run's part inside this canonical piece

@@ -302,6 +302,53 @@ def test_a_refused_unmap_while_a_piece_forms_again_leaves_its_granules_reading_z
     a.close()
 
 
+def test_a_refused_map_while_a_piece_forms_again_maps_its_smaller_pieces_back():
+    """Forming [4-7] again unmaps [5] and [6-7] first; where the driver then refuses the map of
+    [4-7], [5] and [6-7] are mapped back (they read zeros before the decommit) and only the
+    decommitted granule is left unbacked, as granule by granule (review of db850e0)."""
+    a = blocks_arena(8)
+    r = a.allocate(8 * G)
+    r.commit(5 * G)  # [5], [6-7] read zeros
+    a.driver.inject_failure("map")
+    a.decommit_now([(r, 4 * G, 5 * G)])  # the zero maps' error is the decommit's to swallow
+    assert zero_maps(a, r) == {5: 1, 6: 2}
+    assert (read(a, r, 5 * G, 3 * G) == 0).all()
+    assert a.stats().unbacked_bytes == G
+    r.commit_ranges([(4 * G, 5 * G)])  # the unbacked granule commits again
+    a.decommit_now([(r, 0, 5 * G)])
+    assert zero_maps(a, r) == canonical(8, 8) and a.stats().unbacked_bytes == 0
+    assert_sound(a)
+    del r
+    a.close()
+
+
+def test_two_runs_inside_one_piece_form_it_once():
+    """Decommitting granules 4 and 6 of a block whose 5 and 7 read zeros forms [4-7] once:
+    one zero map, one set-access (review of db850e0: the piece was formed twice, and two
+    refused set-access calls then raised a KeyError out of the decommit)."""
+    a = blocks_arena(8)
+    r = a.allocate(8 * G)
+    r.commit_ranges([(4 * G, 5 * G), (6 * G, 7 * G)])
+    before = a.stats()
+    a.decommit_now([(r, 4 * G, 7 * G)])
+    after = a.stats()
+    assert after.zero_map_calls - before.zero_map_calls == 1
+    assert after.zero_access_calls - before.zero_access_calls == 1
+    assert zero_maps(a, r) == canonical(8, 8)
+    r.commit_ranges([(4 * G, 5 * G), (6 * G, 7 * G)])
+    a.driver.inject_failure("set_access")  # [4-7] taken back: its granules unbacked
+    a.decommit_now([(r, 4 * G, 7 * G)])  # an ArenaError, swallowed, never a KeyError
+    state = a._state
+    covered = [j for start, n in state.zero_maps.items() for j in range(start, start + n)]
+    assert len(covered) == len(set(covered)) == len(state.zero_mapped)
+    r.commit_ranges([(4 * G, 8 * G)])  # what the refusal left unbacked commits again
+    a.decommit_now([(r, 4 * G, 8 * G)])
+    assert zero_maps(a, r) == canonical(8, 8)
+    assert_sound(a)
+    del r
+    a.close()
+
+
 def test_share_and_copy_on_write_into_a_region_of_blocks(arena):
     src, dst = arena.allocate(4 * G), arena.allocate(8 * G)
     src.commit(4 * G)
