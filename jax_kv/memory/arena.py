@@ -166,6 +166,9 @@ class _State:
         # refs, so a held handle outlives its mappings (a prefix store without addresses).
         self.holds: dict[int, list[Any]] = {}
         self.scratch = 0  # one granule of address space for copy_on_write's copies (lazy)
+        # Scratch addresses whose unmap was refused (the mapping may still be there): close()
+        # unmaps them again before it releases the handles and frees the addresses.
+        self.stuck_scratch: list[int] = []
         self.zero_handle: Any = None  # the shared zeroed granule, mapped read-only
         # Zeroed handles of 2, 4, .. zero_block / 2 granules (granules -> handle), mapped
         # read-only in the regions allocated past ZERO_SINGLES_LIMIT: an aligned block that
@@ -224,6 +227,8 @@ class _State:
             self.counts["unmap"] += attempt(d.unmap, self.base + index * g, g)
         for start, granules in sorted(self.zero_maps.items()):
             self.counts["unmap"] += attempt(d.unmap, self.base + start * g, granules * g)
+        for va in self.stuck_scratch:
+            self.counts["unmap"] += attempt(d.unmap, va, g)
         handles = [*self.mapped.values(), *self.pool, *self.quarantined.values(), *self.unreleased]
         handles += [h for h, _ in self.holds.values()]
         handles += [h for h in (self.zero_handle, *self.zero_pieces.values()) if h is not None]
@@ -242,9 +247,10 @@ class _State:
         self.zero_handle = None
         if self.reserved:
             attempt(d.free_va, self.base, self.reserved)
-        if self.scratch:
-            attempt(d.free_va, self.scratch, g)
-            self.scratch = 0
+        for va in [*self.stuck_scratch, self.scratch] if self.scratch else self.stuck_scratch:
+            attempt(d.free_va, va, g)
+        self.scratch = 0
+        self.stuck_scratch.clear()
         attempt(d.close)
         return errors
 
@@ -1173,14 +1179,16 @@ class VmmArena:
                 d.set_access(s.base + first * g, count * g, read_only=read_only)
                 self._counts["set_access"] += 1
         except ArenaError:
-            for j in done:
+            for j, handle in zip(done, handles, strict=False):
                 try:
                     d.unmap(s.base + j * g, g)
                     self._counts["unmap"] += 1
                 except ArenaError:
-                    pass  # nothing maps there by the arena's books: reads as unbacked
+                    # Still mapped: never zero-mapped over, unmapped by close(), and its
+                    # handle never pooled (_retire_handle) while this mapping may remain.
+                    s.quarantined[j] = handle
             try:
-                self._map_zero(unzeroed)
+                self._map_zero(i for i in unzeroed if i not in s.quarantined)
             except ArenaError:
                 pass  # counted by stats().unbacked_bytes
             raise
@@ -1314,7 +1322,8 @@ class VmmArena:
             self._counts["unmap"] += 1
         except ArenaError:
             s.unreleased.append(handle)  # may still be mapped there: never handed out
-            s.scratch = 0  # and that address is not used again
+            s.stuck_scratch.append(s.scratch)  # nor that address used again: close() tries
+            s.scratch = 0
             raise
         if failed is not None:
             s.pool.append(handle)
