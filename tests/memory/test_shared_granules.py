@@ -174,6 +174,13 @@ def test_a_failed_copy_on_write_keeps_the_shared_mapping(arena, shared):
     assert (read(arena, dst, G, 8) == 2).all()  # still the same granule
 
 
+def assert_close_leaves_nothing(arena):
+    """close() unmaps every mapping the driver holds and releases every handle."""
+    gc.collect()
+    arena.close()
+    assert not arena.driver._mappings and arena.driver.live_handles == 0
+
+
 def test_a_refused_unmap_in_a_failed_shares_rollback_quarantines_the_granule(arena):
     """A share whose set-access is refused unmaps what it mapped; where that unmap is refused
     too, the granule is quarantined (still mapped: never zero-mapped over, unmapped by close),
@@ -186,9 +193,7 @@ def test_a_refused_unmap_in_a_failed_shares_rollback_quarantines_the_granule(are
         arena.share(src, 0, dst, 0, G)
     assert arena.stats().quarantined_bytes == G
     del src, dst
-    gc.collect()
-    arena.close()
-    assert not arena.driver._mappings and arena.driver.live_handles == 0
+    assert_close_leaves_nothing(arena)
 
 
 def test_a_refused_unmap_of_the_copy_scratch_is_unmapped_at_close(arena, shared):
@@ -197,9 +202,7 @@ def test_a_refused_unmap_of_the_copy_scratch_is_unmapped_at_close(arena, shared)
     with pytest.raises(ArenaError, match="injected unmap failure"):
         arena.copy_on_write(dst, G, G)
     del src, dst
-    gc.collect()
-    arena.close()
-    assert not arena.driver._mappings and arena.driver.live_handles == 0
+    assert_close_leaves_nothing(arena)
 
 
 def test_close_releases_each_shared_handle_once(arena, shared):
