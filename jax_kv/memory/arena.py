@@ -247,7 +247,7 @@ class _State:
         self.zero_handle = None
         if self.reserved:
             attempt(d.free_va, self.base, self.reserved)
-        for va in [*self.stuck_scratch, self.scratch] if self.scratch else self.stuck_scratch:
+        for va in filter(None, [*self.stuck_scratch, self.scratch]):
             attempt(d.free_va, va, g)
         self.scratch = 0
         self.stuck_scratch.clear()
