@@ -1,0 +1,99 @@
+"""Where do the engine's greedy tokens part from Generator's alone, and is it the engine?
+
+`test_bf16_real_model_first_32_tokens_agree_with_generator` (SmolLM2-135M-Instruct, bf16, 100
+chat prompts) found 52 of 100 requests equal in their first 32 tokens on the H100. This
+separates the causes, with Generator alone (one prompt, batch 1) as the reference:
+
+- engine x16: the 16-slot engine (rows batched, packed prefill in chunks);
+- engine x1: a 1-slot engine (the packed prefill and the engine's step, no batching);
+- generator x16: Generator on batches of 16 prompts (padded prefill, rows batched);
+
+in bf16 and in f32 (matmuls at "highest": no TF32). If the engine only reorders sums, f32
+agrees (near) everywhere and generator x16 parts from generator x1 about as often as the
+engine does in bf16.
+
+    JAX_KV_TEST_GGUF=/tmp/smollm2.gguf python3 bench/experiments/bf16_agreement.py [n_prompts]
+"""
+
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import jax_kv.models as jm
+from jax_kv import Engine, Generator
+
+SUBJECTS = ["the ocean", "a lighthouse keeper", "prime numbers", "the French revolution",
+            "photosynthesis", "a lost cat", "the moon landing", "bread baking", "volcanoes",
+            "a chess game"]  # fmt: skip
+TASKS = ["Write a short story about {}.", "Explain {} to a child.", "List three facts about {}.",
+         "Write a haiku about {}.", "What is the history of {}?", "Describe {} in one paragraph.",
+         "Give me a quiz question about {}.", "Why do people care about {}?",
+         "Summarize what you know about {}.", "Write a limerick about {}."]  # fmt: skip
+N_NEW = 32
+MAX_LEN = 1024
+
+
+def arena():
+    if jax.default_backend() == "gpu":
+        from jax_kv.memory import VmmArena
+
+        return VmmArena(pool_bytes=0)
+    return None
+
+
+def engine_tokens(model, prompts, slots):
+    kw = {"arena": arena()} if jax.default_backend() == "gpu" else {}
+    with Engine(model, max_slots=slots, max_len=MAX_LEN, prefill_chunk_tokens=256, **kw) as eng:
+        reqs = [eng.submit(p, N_NEW, stop_token_ids=[]) for p in prompts]
+        eng.run_until_idle()
+        return [r.result().tokens for r in reqs]
+
+
+def generator_tokens(model, prompts, batch):
+    kw = {"arena": arena()} if jax.default_backend() == "gpu" else {}
+    gen = Generator(model, max_len=MAX_LEN, **kw)
+    out = []
+    for i in range(0, len(prompts), batch):
+        out += gen.generate(prompts[i : i + batch], N_NEW, stop_tokens=[]).tokens
+    return out
+
+
+def first_difference(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+
+
+def main():
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 100
+    path = os.environ["JAX_KV_TEST_GGUF"]
+    texts = [t.format(s) for t in TASKS for s in SUBJECTS][:n]
+    for dtype, precision in ((jnp.bfloat16, "default"), (jnp.float32, "highest")):
+        jax.config.update("jax_default_matmul_precision", precision)
+        model = jm.load(path, dtype)
+        ps = [model.encode(model.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+        t0 = time.perf_counter()
+        runs = {
+            "generator x1": generator_tokens(model, ps, 1),
+            "generator x16": generator_tokens(model, ps, 16),
+            "engine x1": engine_tokens(model, ps, 1),
+            "engine x16": engine_tokens(model, ps, 16),
+        }
+        ref = runs["generator x1"]
+        name = jnp.dtype(dtype).name
+        print(f"{name} (matmul precision {precision}), {n} prompts, {time.perf_counter() - t0:.0f} s:")
+        for label, toks in runs.items():
+            if label == "generator x1":
+                continue
+            ds = [first_difference(a, b) for a, b in zip(toks, ref, strict=True)]
+            parted = sorted(d for d in ds if d is not None)
+            print(f"  {label:14s} vs generator x1: {n - len(parted)} of {n} equal in {N_NEW} tokens; "
+                  f"first differences at {parted}")  # fmt: skip
+        ds = [first_difference(a, b) for a, b in zip(runs["engine x16"], runs["generator x16"], strict=True)]
+        print(f"  engine x16 vs generator x16: {sum(d is None for d in ds)} of {n} equal")
+        del model
+
+
+if __name__ == "__main__":
+    main()
