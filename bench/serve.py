@@ -438,8 +438,8 @@ def run_dense_in_own_process(rate_name: str) -> dict:
     keeps the last value), so it builds the same seeded weights, workload and arrivals."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "dense.json"
-        argv = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:],
-                "--engines", "dense", "--rates", rate_name, "--child-result", str(result)]  # fmt: skip
+        argv = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--engines",
+                "dense", "--rates", rate_name, "--child-result", str(result)]  # fmt: skip
         env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=DENSE_PROCESS_MEM_FRACTION)
         subprocess.run(argv, env=env, check=True)
         out = json.loads(result.read_text())

@@ -72,7 +72,8 @@ def main():
     for dtype, precision in ((jnp.bfloat16, "default"), (jnp.float32, "highest")):
         jax.config.update("jax_default_matmul_precision", precision)
         model = jm.load(path, dtype)
-        ps = [model.encode(model.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+        chats = [[{"role": "user", "content": t}] for t in texts]
+        ps = [model.encode(model.apply_chat_template(c)) for c in chats]
         t0 = time.perf_counter()
         runs = {
             "generator x1": generator_tokens(model, ps, 1),
@@ -82,15 +83,17 @@ def main():
         }
         ref = runs["generator x1"]
         name = jnp.dtype(dtype).name
-        print(f"{name} (matmul precision {precision}), {n} prompts, {time.perf_counter() - t0:.0f} s:")
+        took = time.perf_counter() - t0
+        print(f"{name} (matmul precision {precision}), {n} prompts, {took:.0f} s:")
         for label, toks in runs.items():
             if label == "generator x1":
                 continue
             ds = [first_difference(a, b) for a, b in zip(toks, ref, strict=True)]
             parted = sorted(d for d in ds if d is not None)
-            print(f"  {label:14s} vs generator x1: {n - len(parted)} of {n} equal in {N_NEW} tokens; "
-                  f"first differences at {parted}")  # fmt: skip
-        ds = [first_difference(a, b) for a, b in zip(runs["engine x16"], runs["generator x16"], strict=True)]
+            print(f"  {label:14s} vs generator x1: {n - len(parted)} of {n} equal in "
+                  f"{N_NEW} tokens; first differences at {parted}")  # fmt: skip
+        pairs = zip(runs["engine x16"], runs["generator x16"], strict=True)
+        ds = [first_difference(a, b) for a, b in pairs]
         print(f"  engine x16 vs generator x16: {sum(d is None for d in ds)} of {n} equal")
         del model
 
