@@ -13,6 +13,9 @@ agrees (near) everywhere and generator x16 parts from generator x1 about as ofte
 engine does in bf16.
 
     JAX_KV_TEST_GGUF=/tmp/smollm2.gguf python3 bench/experiments/bf16_agreement.py [n_prompts]
+
+Without JAX_KV_TEST_GGUF it runs SmolLM2-135M's shape with seeded random weights on random
+prompts of 20-300 tokens (a random model's logits are flatter, so near-ties are commoner).
 """
 
 import os
@@ -21,6 +24,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jax_kv.models as jm
 from jax_kv import Engine, Generator
@@ -67,13 +71,19 @@ def first_difference(a, b):
 
 def main():
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 100
-    path = os.environ["JAX_KV_TEST_GGUF"]
+    path = os.environ.get("JAX_KV_TEST_GGUF")
     texts = [t.format(s) for t in TASKS for s in SUBJECTS][:n]
     for dtype, precision in ((jnp.bfloat16, "default"), (jnp.float32, "highest")):
         jax.config.update("jax_default_matmul_precision", precision)
-        model = jm.load(path, dtype)
-        chats = [[{"role": "user", "content": t}] for t in texts]
-        ps = [model.encode(model.apply_chat_template(c)) for c in chats]
+        if path:
+            model = jm.load(path, dtype)
+            chats = [[{"role": "user", "content": t}] for t in texts]
+            ps = [model.encode(model.apply_chat_template(c)) for c in chats]
+        else:
+            model = jm.random_model("smollm2-135m", seed=0, dtype=dtype)
+            rng = np.random.default_rng(0)
+            vocab = model.config.vocab_size
+            ps = [rng.integers(0, vocab, int(rng.integers(20, 300))).tolist() for _ in range(n)]
         t0 = time.perf_counter()
         runs = {
             "generator x1": generator_tokens(model, ps, 1),
@@ -84,7 +94,8 @@ def main():
         ref = runs["generator x1"]
         name = jnp.dtype(dtype).name
         took = time.perf_counter() - t0
-        print(f"{name} (matmul precision {precision}), {n} prompts, {took:.0f} s:")
+        what = "trained" if path else "random"
+        print(f"{name} ({what} weights, matmul precision {precision}), {n} prompts, {took:.0f} s:")
         for label, toks in runs.items():
             if label == "generator x1":
                 continue
