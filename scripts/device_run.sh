@@ -3,7 +3,7 @@
 # $OUT (or ./device-out). Each stage has its own time limit so the whole fits one call.
 #   bash scripts/device_run.sh [stages...]   stages: build ops ops-off gen cache attn generate profile san pytests
 #     prefill-profile failsafe vmm-probe vmm-san soak serving prefill-bench serve serve-prefix serve-http issue20
-#     issue20-gen engine-step branch-prebuild branch (BRANCH_TESTS, BRANCH_CMD)
+#     issue20-gen engine-step branch-prebuild branch (BRANCH_TESTS, BRANCH_CMD) vmm-san-each
 # SERVE_ARGS passes options to bench/serve.py (e.g. "--profile 30").
 # GEN_MODELS, GEN_BATCH, GEN_TOKENS, GEN_IMPLS, GEN_TIMEOUT set bench/generate.py's run.
 # ATTN_ARGS passes options to bench/attention.py (e.g. "--decode-kernel auto,simt"), ATTN_TIMEOUT
@@ -121,6 +121,24 @@ for s in $STAGES; do
         python3 -m pytest -m gpu ${VSAN_TESTS:-tests/memory/test_zero_granule.py tests/ops/test_committed_bound.py} \
         -q -p no:cacheprovider -p no:benchmark --tb=short -rf -k "not cost" --durations=0 > "$OUT/vmm_sanitizer.log" 2>&1
       echo "vmm-san: exit $?"; pkill -9 -f "pytest -m gpu" 2>/dev/null; tail -30 "$OUT/vmm_sanitizer.log" ;;
+    vmm-san-each)
+      # One compute-sanitizer process per GPU test (VSAN_TESTS, default the prefix and shared-
+      # granule tests), XLA's autotuning and command buffers off: on the H100 (tree a3f8f46)
+      # the tool segfaulted after the first test whenever pytest ran several in one process,
+      # and ran each alone to the end (0 errors). VSAN_EACH_TIMEOUT bounds the whole stage.
+      stage "compute-sanitizer memcheck, one process per test"
+      mkdir -p "$OUT/vsan"
+      python3 -m pytest -m gpu -q -p no:cacheprovider --collect-only ${VSAN_TESTS:-tests/memory/test_shared_granules.py \
+        tests/engine/test_engine_gpu.py} -k "${VSAN_K:-prefix or share}" 2>/dev/null | grep "::" > "$OUT/vsan/ids.txt"
+      end=$(( $(date +%s) + ${VSAN_EACH_TIMEOUT:-300} ))
+      for t in $(cat "$OUT/vsan/ids.txt"); do
+        left=$(( end - $(date +%s) )); n=${t##*::}
+        if [ $left -lt 20 ]; then echo "not run (stage limit): $t"; continue; fi
+        XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" timeout -k 5 $(( left < 150 ? left : 150 )) \
+          compute-sanitizer --tool memcheck --report-api-errors no --print-limit 30 python3 -m pytest -m gpu -q \
+          -p no:cacheprovider -p no:benchmark "$t" > "$OUT/vsan/$n.log" 2>&1
+        echo "exit $? $t: $(grep -E ' passed| failed|ERROR SUMMARY' "$OUT/vsan/$n.log" | tr '\n' ' ')"
+      done ;;
     soak)
       stage "bench/soak.py"
       timeout -k 10 ${SOAK_TIMEOUT:-200} python3 bench/soak.py --steps ${SOAK_STEPS:-20000} --out "$OUT" 2>&1 \
