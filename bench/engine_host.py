@@ -97,8 +97,9 @@ def main() -> None:
         return run
 
     eng._prefill, eng._decode = step_stub(3), step_stub(2)  # caches: argnum 3 / 2 of run()
-    # (the tokens input, the picked tokens and the status as one [2, B] array)
-    eng._greedy = lambda tokens, status, field: (field, jnp.stack([tokens, status]))
+    # (the tokens input, the picked tokens and the status as one [2, B] array; a decode
+    # bucket's row index, if any, ignored: the stub's tokens are every row's)
+    eng._greedy = lambda tokens, status, field, *rows: (field, jnp.stack([tokens, status]))
     eng._accept = lambda caches, verify: None  # nothing computed: nothing to write back
     if args.no_hand_over:
         eng.cache.hands_over_in_place = lambda b, tokens: False  # fresh granules: recommit

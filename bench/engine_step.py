@@ -9,12 +9,15 @@ Per N (busy slots, each holding a P-token prompt, all decoding; prefix cache off
 - `host calls`: FFI handler host calls per step (0: XLA replayed the recorded CUDA graph);
 - `pipelined`: the same compiled decode step called --steps times back to back on the same
   inputs, one wait at the end: the device time per step plus dispatch, without the engine's
-  per-step wait for the tokens (and its handler host calls per call);
+  per-step wait for the tokens (and its handler host calls per call); on the smallest decode
+  bucket that holds the N rows (`bucket`, what the Engine runs: Engine.decode_buckets), and
+  as `all rows` on every slot's row (the max_slots bucket: the projections, the MLP and the
+  logits on all max_slots rows, as the step ran before decode buckets), in the same run;
 - `fresh inputs`: the same with new device arrays for tokens, lengths and bound at every call,
   as the Engine passed them before they had fixed addresses (jax_kv/engine/inputs.py): if XLA
   re-records the graph for them, the host calls say so and the time says what it costs;
-- `bare`: the decode step and its argmax in one compiled call (the Engine picks the tokens
-  in a second call, chosen on the host: argmax or the sampler);
+- `bare`: the decode step and its argmax in one compiled call, on the same bucket (the Engine
+  picks the tokens in a second call, chosen on the host: argmax or the sampler);
 - `Generator`: Generator.generate's decode seconds per step on the same N prompts at B=N
   (tokens_per_call 1, its second run: compiles excluded);
 - `roofline`: (weight bytes + live KV bytes) / the device's HBM bandwidth.
@@ -30,8 +33,8 @@ time split into GEMMs, the attention ops and the rest (bench/step_profile.py's r
     python bench/engine_step.py --out DIR [--model llama-3-8b] [--busy 1,16,64]
     python bench/engine_step.py --out DIR --slots 256 --max-len 8192 --busy 1,64,255 \\
         --prompt 1000 --piece 512 --profile                     # the mixed call at 256 slots
-    python bench/engine_step.py --out DIR --model tiny-llama --dtype float32 --slots 8 \\
-        --busy 1,8 --prompt 100 --max-len 1024 --steps 20       # a CPU smoke run
+    python bench/engine_step.py --out DIR --model tiny-llama --dtype float32 --slots 16 \\
+        --busy 1,9,16 --prompt 100 --max-len 1024 --steps 20    # a CPU smoke run
 """
 
 from __future__ import annotations
@@ -111,58 +114,69 @@ def time_steps(eng: Engine, steps: int) -> dict:
 
 def engine_decode(eng: Engine):
     """The Engine's decode call as it runs it: the compiled step, then the greedy picker
-    (every row here is greedy) -> (int32 [2, B]: the tokens and the status, caches)."""
+    (every row here is greedy) -> (int32 [2, B]: the tokens and the status, caches). `rows`:
+    the row index of a decode bucket below max_slots (none: every row)."""
 
-    def call(params, tokens, caches, lengths, committed):
-        logits, _, caches, status = eng._decode(params, tokens, caches, lengths, committed)
-        return greedy(eng, logits, status), caches
+    def call(params, tokens, caches, lengths, committed, *rows):
+        logits, _, caches, status = eng._decode(params, tokens, caches, lengths, committed, *rows)
+        return greedy(eng, logits, status, *rows), caches
 
     return call
 
 
-def greedy(eng: Engine, logits, status):
+def greedy(eng: Engine, logits, status, *rows):
     """The Engine's argmax picker as it calls it: the tokens written into its `tokens` input
     in place (donated, taken back); returns the picked tokens and the status, int32 [2, B]."""
-    field, picked = eng._greedy(logits, status, eng._inputs["tokens"])
+    field, picked = eng._greedy(logits, status, eng._inputs["tokens"], *rows)
     eng._inputs.replace("tokens", field)
     return picked
 
 
 def bare_decode(eng: Engine):
-    """The Engine's decode step with its argmax inside one compiled call: the difference to
-    the Engine's own is what the picker's second call costs on the device."""
+    """The Engine's decode step with its argmax inside one compiled call (on the bucket's rows
+    where given a row index): the difference to the Engine's own is what the picker's second
+    call costs on the device."""
     model, attention = eng.model, eng._attention["decode"]
 
-    def run(params, tokens, caches, lengths, committed):
+    def run(params, tokens, caches, lengths, committed, rows=None):
+        bucket = {} if rows is None else {"rows": rows}
         logits, caches, _ = model.decode_step(
             params, tokens, caches, lengths, layout=Layout.SEQ_MAJOR, committed=committed,
-            **attention,
+            **bucket, **attention,
         )  # fmt: skip
         return argmax_rows(logits), caches
 
     return jax.jit(run, donate_argnums=(2,))
 
 
-def time_pipelined(eng: Engine, steps: int, step=None, fresh: bool = False) -> tuple[float, float]:
+def time_pipelined(
+    eng: Engine, steps: int, step=None, fresh: bool = False, all_rows: bool = False
+) -> tuple[float, float]:
     """(ms per call, handler host calls per call) of the Engine's compiled decode step (or
     `step`, the same arguments), called back to back (the caches fed back, the same lengths:
     each call rewrites the same positions). The per-step inputs are the Engine's own, at fixed
     addresses, or with `fresh` new device arrays every call (as the Engine passed them before
-    StepInputs): the difference is what re-recording the CUDA graph costs."""
+    StepInputs): the difference is what re-recording the CUDA graph costs. The call computes
+    the smallest decode bucket that holds the busy rows (as the Engine's would), or with
+    `all_rows` every slot's row (the max_slots bucket)."""
     step = engine_decode(eng) if step is None else step
-    busy = [b for b, s in enumerate(eng._slots) if s is not None]
-    for b in busy:  # the next token's granule, as a real step reserves it
-        eng.cache.ensure_slot(b, int(eng.cache.lengths[b]) + 1)
+    rows = [s for s in eng._slots if s is not None]
+    for s in rows:  # the next token's granule, as a real step reserves it
+        eng.cache.ensure_slot(s.slot, int(eng.cache.lengths[s.slot]) + 1)
+    bucket = eng.max_slots if all_rows else eng._decode_bucket(len(rows))
     tokens = np.full((eng.max_slots,), 3, np.int32)
     lengths = eng._lengths()
-    bound = eng._decode_bound([s for s in eng._slots if s is not None])
-    eng._inputs.write(tokens=tokens, lengths=lengths, bound=bound)
+    bound = eng._decode_bound(rows)
+    index = eng._row_index(rows, bucket)  # {} for the max_slots bucket
+    eng._inputs.write(tokens=tokens, lengths=lengths, bound=bound, **index)
     inputs = eng._inputs
 
     def args():
         if fresh:
-            return jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(bound)
-        return inputs["tokens"], inputs["lengths"], inputs["bound"]
+            fixed = (jnp.asarray(a) for a in (tokens, lengths, bound, *index.values()))
+        else:
+            fixed = (inputs[k] for k in ("tokens", "lengths", "bound", *index))
+        return tuple(fixed)
 
     caches = eng._caches()
     out = None
@@ -171,8 +185,8 @@ def time_pipelined(eng: Engine, steps: int, step=None, fresh: bool = False) -> t
         if i == 1:  # the first call waits for nothing before it: not timed
             jax.block_until_ready(out)
             t0, c0 = time.perf_counter(), host_calls()
-        tok, lens, bnd = args()
-        out, caches = step(eng.params, tok, caches, lens, bnd)
+        tok, lens, bnd, *rows_arg = args()
+        out, caches = step(eng.params, tok, caches, lens, bnd, *rows_arg)
     jax.block_until_ready(out)
     seconds = time.perf_counter() - t0
     calls = None if c0 is None else (host_calls() - c0) / steps
@@ -305,6 +319,12 @@ def main() -> None:
         action="store_true",
         help="split the calls' device time by kernel kind (jax.profiler)",
     )
+    ap.add_argument(
+        "--decode-row-buckets",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Engine(decode_row_buckets=); default the Engine's (on from 16 slots)",
+    )
     args = ap.parse_args()
 
     preset = jm.PRESETS[args.model]
@@ -317,7 +337,8 @@ def main() -> None:
     bandwidth = HBM_BYTES_PER_S.get(kind)
     weight_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(model.params))
     rng = np.random.default_rng(0)
-    eng = Engine(model, max_slots=args.slots, max_len=args.max_len, prefix_cache=False)
+    eng = Engine(model, max_slots=args.slots, max_len=args.max_len, prefix_cache=False,
+                 decode_row_buckets=args.decode_row_buckets)  # fmt: skip
     rows = []
     try:
         eng.warm_up()
@@ -329,7 +350,9 @@ def main() -> None:
             new = 3 * args.steps + 8
             reqs = fill(eng, prompts, new)
             row = dict(busy=n, prompt=args.prompt, **time_steps(eng, args.steps))
+            row["bucket"] = eng._decode_bucket(n)
             row["pipelined_ms"], row["pipelined_host_calls"] = time_pipelined(eng, args.steps)
+            row["pipelined_all_rows_ms"], _ = time_pipelined(eng, args.steps, all_rows=True)
             row["fresh_inputs_ms"], row["fresh_inputs_host_calls"] = time_pipelined(
                 eng, args.steps, fresh=True
             )
@@ -357,22 +380,24 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
         compiles = eng.stats.decode_compiles - decode0
+        buckets = eng.decode_buckets()
     finally:
         eng.close()
     print(
         f"\n{args.model} shape, {args.dtype}, {kind}, {args.slots} slots, max_len {args.max_len}, "
-        f"{args.prompt}-token prompts; medians of {args.steps} steps; decode compiles after "
-        f"warm-up: {compiles}\n"
-        "| busy | engine step ms | host ms | host calls/step | pipelined ms (host calls) "
-        "| fresh inputs ms (host calls) | bare ms | Generator ms | roofline ms |\n"
-        "|---|---|---|---|---|---|---|---|---|"
+        f"{args.prompt}-token prompts; medians of {args.steps} steps; decode buckets "
+        f"{buckets}; decode compiles after warm-up: {compiles}\n"
+        "| busy | bucket | engine step ms | host ms | host calls/step | pipelined ms (host calls) "
+        "| all rows ms | fresh inputs ms (host calls) | bare ms | Generator ms | roofline ms |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|"
     )
     for r in rows:
         roof = f"{r['roofline_ms']:.2f}" if "roofline_ms" in r else "-"
         print(
-            f"| {r['busy']} | {r['step_ms']:.2f} | {r['host_ms']:.2f} | "
+            f"| {r['busy']} | {r['bucket']} | {r['step_ms']:.2f} | {r['host_ms']:.2f} | "
             f"{count(r['host_calls_per_step'])} | {r['pipelined_ms']:.2f} "
-            f"({count(r['pipelined_host_calls'])}) | {r['fresh_inputs_ms']:.2f} "
+            f"({count(r['pipelined_host_calls'])}) | {r['pipelined_all_rows_ms']:.2f} | "
+            f"{r['fresh_inputs_ms']:.2f} "
             f"({count(r['fresh_inputs_host_calls'])}) | {r['bare_ms']:.2f} | "
             f"{r.get('generator_ms', float('nan')):.2f} | {roof} |"
         )
@@ -398,8 +423,9 @@ def main() -> None:
             for label in ("decode", "mixed", "piece_only"):
                 split = r.get(f"{label}_kernels_us")
                 if split:
-                    # Every row is on the token axis of the GEMMs, busy or not.
-                    m = args.slots + (args.piece if label != "decode" else 0)
+                    # The decode call's GEMMs run its bucket's rows; the mixed call's every
+                    # row, busy or not, and the piece.
+                    m = r["bucket"] if label == "decode" else args.slots + args.piece
                     gemm = split["gemm"]
                     rate = matmul_flops(config, m) / (gemm / 1e6) / 1e12 if gemm else 0.0
                     print(

@@ -183,7 +183,11 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None,
     )  # fmt: skip
     try:
         eng.warm_up()
-        s0 = dataclasses.replace(eng.stats, finished=dict(eng.stats.finished))
+        s0 = dataclasses.replace(
+            eng.stats,
+            finished=dict(eng.stats.finished),
+            decode_bucket_calls=dict(eng.stats.decode_bucket_calls),
+        )
         p0 = dataclasses.replace(eng.prefix.stats) if eng.prefix else None
         cache = eng.cache
         a0 = cache.arena.stats() if cache.is_vmm else None
@@ -286,6 +290,11 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None,
             # rows computed for a request that had ended (Engine(decode_ahead)).
             calls_ahead=s.calls_ahead - s0.calls_ahead,
             wasted_rows=s.wasted_rows - s0.wasted_rows,
+            # Decode calls per decode bucket (Engine(decode_row_buckets)): rows computed.
+            decode_bucket_calls={
+                str(n): c - s0.decode_bucket_calls.get(n, 0)
+                for n, c in sorted(s.decode_bucket_calls.items())
+            },
             peak_committed_kv_bytes=int(max(committed)),
             mean_committed_kv_bytes=float(np.mean(committed)),
             peak_held_kv_bytes=int(max(held)),

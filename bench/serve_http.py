@@ -152,9 +152,10 @@ def stub_device(
         return run
 
     engine._prefill, engine._decode = step_stub(3, True), step_stub(2, False)
-    # (the tokens input, the picked tokens and the status as one [2, B] array)
-    engine._greedy = lambda logits, status, tokens: (tokens, _stacked(logits))
-    engine._sampler = lambda logits, *a: (a[-1], _stacked(logits))
+    # (the tokens input, the picked tokens and the status as one [2, B] array; a decode
+    # bucket's row index, if any, ignored: the stub's tokens are every row's)
+    engine._greedy = lambda logits, status, tokens, *rows: (tokens, _stacked(logits))
+    engine._sampler = lambda logits, *a: (a[6], _stacked(logits))  # a[6]: the tokens input
     engine._accept = lambda caches, verify: None
 
 

@@ -26,7 +26,10 @@ class DecoderModel(Protocol):
         `decode_bound` [B] (and under a mesh `decode_attention`): other rows advance by one
         token in the same call, as decode_step would advance them (jax_kv.models.llama).
     decode_step(params, tokens [B], caches, lengths [B], *, layout, committed)
-        -> (logits [B, V], caches, status [B]): one token per sequence at lengths[b].
+        -> (logits [B, V], caches, status [B]): one token per sequence at lengths[b]. The
+        Engine with decode row buckets also passes `rows` int32 [n]: the rows the step
+        advances, then B (padding); the logits are then theirs, [n, V]
+        (jax_kv.models.llama.decode_step).
     Both run inside jax.jit with the caches donated: per layer (k_cache, v_cache) in `layout`.
     Both take `attention=`, a function of the op's contract (jax_kv.parallel.head_sharded's
     wrapper, under a mesh).

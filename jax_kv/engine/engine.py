@@ -14,19 +14,23 @@ One engine step (`step()`), in Python between jitted calls:
 4. one compiled call. With prefill pieces, the prefill step: the pieces packed on one token
    axis (padded to a power-of-two bucket: one compile per bucket) and the decoding slots'
    next tokens in the same pass over the weights (the decode kernel attends for those rows);
-   a slot whose prompt ends samples its first token. Without, the decode step over all
-   `max_slots` rows at one fixed shape (compiled once). Either way a row that takes no part
-   has a write bound of 0, which the attention ops read as idle (no reads, no writes). While
-   the call runs, the host prepares the next one in slots the call leaves idle: the decoding
-   rows' next granules, the prefilling slots' next pieces, queued requests admitted into free
-   slots or handed the slots of requests that ended in the last call (a head that would map
-   blocks the call is writing waits for them), then the rest of those slots released;
+   a slot whose prompt ends samples its first token. Without, the decode step on the
+   smallest decode bucket that holds the decoding rows (Engine.decode_buckets: `max_slots`,
+   with decode_row_buckets also up to three halvings; one compile each, all in warm_up): the
+   projections, the MLP, the logits and the token picker run on the bucket's rows, the
+   attention op on every cache row. Either way a row that takes no part has a write bound of
+   0, which the attention ops read as idle (no reads, no writes). While the call runs, the
+   host prepares the next one in slots the call leaves idle: the decoding rows' next
+   granules, the prefilling slots' next pieces, queued requests admitted into free slots or
+   handed the slots of requests that ended in the last call (a head that would map blocks the
+   call is writing waits for them), then the rest of those slots released;
 5. tokens reach the requests (streamed), finished requests' slots wait for the next call.
 
 Where the next call is decode only and its rows are known before the call in flight's tokens
 are (no piece to prefill, no admission, no cancel), it is dispatched before the host reads them
 (decode_ahead, the default): its lengths are one more than each row's, its tokens are the ones
-the last call's picker wrote on the device. The device then goes from call to call without
+the last call's picker wrote on the device, its bucket the smallest that holds its rows (some
+of the last call's, so never a larger bucket). The device then goes from call to call without
 waiting for the host; a row whose request stops on the last call's token is computed once for
 nothing and its slot released after that call.
 
@@ -71,6 +75,10 @@ from jax_kv.memory import ArenaExhausted, MeshArena, VmmArena
 from jax_kv.parallel import params_and_attention
 
 PREFILL_MIN_TOKENS = 16  # the smallest prefill bucket
+# Engine(decode_row_buckets=None) turns the decode row buckets on from this many slots. A
+# threshold chosen, not measured: below it every bucket is a handful of rows.
+DECODE_ROW_BUCKETS_MIN_SLOTS = 16
+DECODE_ROW_HALVINGS = 3  # decode buckets: max_slots and up to this many halvings of it
 DEFAULT_MAX_LEN = 4096  # when neither the caller nor the model bounds a sequence lower
 
 
@@ -90,8 +98,16 @@ class EngineStats:
     decode_calls: int = 0  # calls of the decode step (no prefill piece in the step)
     prefill_calls: int = 0  # calls of the prefill step (which also advance the decoding rows)
     mixed_calls: int = 0  # prefill calls that advanced decoding rows too
-    decode_compiles: int = 0  # 1 for the engine's life: the step has one shape
-    sampler_compiles: int = 0  # 2 for the engine's life: the greedy and the sampling picker
+    # Compiles of the decode step: one per decode bucket (Engine.decode_buckets) for the
+    # engine's life; warm_up compiles them all.
+    decode_compiles: int = 0
+    # Decode calls per decode bucket (the rows a call computed: the smallest bucket that holds
+    # its decoding rows), bucket -> calls; its keys are the buckets used.
+    decode_bucket_calls: dict[int, int] = dataclasses.field(default_factory=dict)
+    # Compiles of the token pickers: two per decode bucket (argmax and the sampler of its
+    # rows; a prefill call's are the max_slots bucket's) for the engine's life; warm_up
+    # compiles them all.
+    sampler_compiles: int = 0
     prefill_compiles: int = 0  # one per prefill bucket used
     prefill_buckets: list[int] = dataclasses.field(default_factory=list)
     prefill_tokens: int = 0  # real tokens prefilled (re-prefills included)
@@ -282,11 +298,19 @@ class _Seq:
         return self.prompt[lo:n] + self.generated[max(0, lo - n) : hi - n]
 
 
-def _into(picked: jax.Array, tokens: jax.Array) -> jax.Array:
-    """picked, written over the donated `tokens` input in place. Every picked token is >= 0,
-    so this is `picked`; the `where` keeps `tokens` an operand, which XLA would otherwise drop
+def _into(picked: jax.Array, tokens: jax.Array, rows: jax.Array | None) -> jax.Array:
+    """picked, written over the donated `tokens` input [B] in place: at `rows` (int32 [n],
+    padding B dropped) where given, else whole. Every picked token is >= 0, so the whole
+    write is `picked`; the `where` keeps `tokens` an operand, which XLA would otherwise drop
     (and with it the aliasing that keeps the array's address)."""
+    if rows is not None:
+        return tokens.at[rows].set(picked, mode="drop")
     return jnp.where(picked >= 0, picked, tokens)
+
+
+def _gather(a: jax.Array, rows: jax.Array | None, fill: Any) -> jax.Array:
+    """a [B]'s values at `rows` (int32 [n]; `fill` at a padding entry, B), or `a` itself."""
+    return a if rows is None else jnp.take(a, rows, 0, mode="fill", fill_value=fill)
 
 
 @dataclasses.dataclass(eq=False)
@@ -297,6 +321,7 @@ class _Pending:
     counts: np.ndarray | None  # its prefill tokens per slot (None: a decode call)
     out: jax.Array  # int32 [2, B]: the picked tokens, the attention ops' status per row
     t0: float  # when it was dispatched (time.perf_counter)
+    bucket: int  # the rows its step computed (a decode bucket; max_slots for a prefill call)
 
 
 def _host(x: jax.Array) -> np.ndarray:
@@ -353,6 +378,14 @@ class Engine:
             device then runs call after call while the host reads, streams and plans one call
             behind. A row whose request ends on a stop token is computed once more for
             nothing. Default on; off, every call waits for the host between calls.
+        decode_row_buckets: give the decode-only call a bucket of rows (decode_buckets():
+            max_slots and up to three halvings, one compile each, all compiled by warm_up):
+            a call with n decoding rows runs the projections, the MLP, the logits and the
+            token picker on the smallest bucket >= n, not on every slot (the attention op
+            still sees every cache row, the others idle). The prefill call keeps all
+            max_slots rows. Needs a model whose decode_step takes `rows`
+            (jax_kv.models.llama.decode_step). Default None: on where max_slots >= 16
+            (DECODE_ROW_BUCKETS_MIN_SLOTS); off, the decode step runs every slot's row.
     """
 
     def __init__(
@@ -371,6 +404,7 @@ class Engine:
         prefix_cache_bytes: int | None = None,
         mesh: Any = None,
         decode_ahead: bool = True,
+        decode_row_buckets: bool | None = None,
     ) -> None:
         if not isinstance(model, DecoderModel):
             raise ValueError(
@@ -395,6 +429,13 @@ class Engine:
         self.model = model
         self.mesh = mesh
         self.decode_ahead = bool(decode_ahead)
+        if decode_row_buckets is None:
+            decode_row_buckets = self.max_slots >= DECODE_ROW_BUCKETS_MIN_SLOTS
+        self.decode_row_buckets = bool(decode_row_buckets)
+        halvings = DECODE_ROW_HALVINGS if self.decode_row_buckets else 0
+        self._decode_buckets = tuple(
+            sorted({max(1, self.max_slots >> k) for k in range(halvings + 1)})
+        )
         self.params, self._attention = params_and_attention(model, mesh, fuse_projections)
         # Resolved here once (the cache takes it as given): whether it is a VmmArena decides
         # the prefix cache's default.
@@ -450,6 +491,9 @@ class Engine:
         self.on_delivered: Any = None
         self._admissions = 0
         self._traces = {"prefill": 0, "decode": 0}
+        # (compiled function, rows) of every call dispatched: "decode", "argmax" or "sampler"
+        # and its bucket (a prefill call's pickers: max_slots). What warm_up has compiled.
+        self._ran: set[tuple[str, int]] = set()
         # The caches are donated: XLA writes the arena's memory in place (SlotCache.writes_back:
         # the host driver's stand-in, which copies instead).
         donate = not self.cache.writes_back
@@ -507,6 +551,19 @@ class Engine:
                 return buckets
             n *= 2
 
+    def decode_buckets(self) -> list[int]:
+        """The row counts a decode-only call computes, ascending: max_slots and, with
+        decode_row_buckets, up to three halvings (32, 64, 128, 256 at 256 slots; one compile
+        each, all in warm_up). A call with n decoding rows takes the smallest >= n
+        (_decode_bucket): its projections, MLP, logits and token picker run on that many
+        rows, not on every slot (their FLOPs grow with the rows; the weights' bytes read do
+        not)."""
+        return list(self._decode_buckets)
+
+    def _decode_bucket(self, rows: int) -> int:
+        """The smallest decode bucket that holds `rows` decoding rows."""
+        return next(n for n in self._decode_buckets if n >= rows)
+
     def _input_fields(self) -> dict[str, tuple[int, Any]]:
         """The steps' per-call inputs (StepInputs, at fixed addresses). A call writes the ones
         it uses in one upload (_write_inputs)."""
@@ -523,6 +580,8 @@ class Engine:
         }
         for n in self.prefill_buckets():
             fields[f"prefill_tokens_{n}"] = (n, np.int32)
+        for n in self.decode_buckets()[:-1]:  # the last is max_slots: every row, no index
+            fields[f"decode_rows_{n}"] = (n, np.int32)  # the slots it advances, then B
         return fields
 
     def _prefill_fn(self) -> Any:
@@ -552,11 +611,14 @@ class Engine:
         attention = self._attention["decode"]
         replicated = self._replicated
 
-        def run(params, tokens, caches, lengths, committed):
+        def run(params, tokens, caches, lengths, committed, rows=None):
+            # rows int32 [n] (a decode bucket below max_slots): the slots the call advances,
+            # then B (padding); its logits are theirs, [n, V]. None: every row's, [B, V].
             self._traces["decode"] += 1
+            bucket = {} if rows is None else {"rows": rows}
             logits, caches, status = model.decode_step(
                 params, tokens, caches, lengths, layout=Layout.SEQ_MAJOR, committed=committed,
-                **attention,
+                **bucket, **attention,
             )  # fmt: skip
             return logits, replicated(lengths + 1), caches, replicated(status)
 
@@ -565,22 +627,28 @@ class Engine:
     def _greedy_fn(self) -> Any:
         replicated = self._replicated
 
-        def run(logits, status, tokens):
-            # float32 [B, V], int32 [B], int32 [B] (donated) -> (tokens', int32 [2, B]: the
-            # picked tokens and the status)
+        def run(logits, status, tokens, rows=None):
+            # float32 [n, V], int32 [B], int32 [B] (donated), int32 [n] or None (n = B: every
+            # row) -> (tokens', int32 [2, B]: the picked tokens, at `rows` where given (the
+            # others the input's), and the status)
             picked = replicated(argmax_rows(logits))
-            return _into(picked, tokens), replicated(jnp.stack([picked, status]))
+            tokens = _into(picked, tokens, rows)
+            return tokens, replicated(jnp.stack([picked if rows is None else tokens, status]))
 
         return run
 
     def _sampler_fn(self) -> Any:
         replicated = self._replicated
 
-        def run(logits, positions, temp, top_k, top_p, seeds, status, tokens):
+        def run(logits, positions, temp, top_k, top_p, seeds, status, tokens, rows=None):
             # positions int32 [B]: the position of the token each row samples (its key's).
-            keys = _row_keys(seeds, positions)
-            picked = replicated(sample_rows(logits, keys, temp, top_k, top_p))
-            return _into(picked, tokens), replicated(jnp.stack([picked, status]))
+            # With `rows` the logits are theirs [n, V]: each one's parameters are gathered
+            # (a padding entry's: greedy, its token dropped).
+            keys = _row_keys(_gather(seeds, rows, 0), _gather(positions, rows, 0))
+            params = (_gather(temp, rows, 0), _gather(top_k, rows, 0), _gather(top_p, rows, 1))
+            picked = replicated(sample_rows(logits, keys, *params))
+            tokens = _into(picked, tokens, rows)
+            return tokens, replicated(jnp.stack([picked if rows is None else tokens, status]))
 
         return run
 
@@ -662,6 +730,7 @@ class Engine:
             self.stats,
             finished=dict(self.stats.finished),
             prefill_buckets=list(self.stats.prefill_buckets),
+            decode_bucket_calls=dict(self.stats.decode_bucket_calls),
         )
         prefix = None if self.prefix is None else dataclasses.replace(self.prefix.stats)
         with self._lock:
@@ -755,11 +824,12 @@ class Engine:
         return work
 
     def warm_up(self, between: Callable[[], None] | None = None) -> None:
-        """Compiles every prefill bucket (16 .. prefill_chunk_tokens), the decode step and
-        both token pickers (argmax, sampler), by serving a few short requests, before the
-        background driver starts (a server is ready only after this: no request then waits
-        for a compile). A shutdown() from another thread ends it at its next request (that
-        submit is refused with EngineError).
+        """Compiles every prefill bucket (16 .. prefill_chunk_tokens), the decode step of
+        every decode bucket and both token pickers (argmax, sampler) of each, by serving a few
+        short requests and then, for the buckets and pickers those left out, a decode call
+        whose rows are all idle, before the background driver starts (a server is ready only
+        after this: no request then waits for a compile). A shutdown() from another thread
+        ends it at its next request or idle call (refused with EngineError).
 
         `between` runs before each warm-up request (between compiles); the server's engine
         process reads its pipe there. If it raises, the warm-up's own requests are cancelled
@@ -769,7 +839,7 @@ class Engine:
             raise EngineError("warm_up: call it before start()")
         mine: list[Request] = []
 
-        def submit(prompt: list[int], max_new: int, sampling: Sampling | None = None) -> None:
+        def pause() -> None:  # before each compile
             if between is not None:
                 try:
                     between()
@@ -778,6 +848,9 @@ class Engine:
                         request.cancel()
                     self.run_until_idle()
                     raise
+
+        def submit(prompt: list[int], max_new: int, sampling: Sampling | None = None) -> None:
+            pause()
             while self.num_waiting >= self.max_queue:  # within the engine's own max_queue
                 self.step()
             mine.append(self.submit(prompt, max_new, sampling, stop_token_ids=[]))
@@ -802,6 +875,18 @@ class Engine:
             # The first samples: the sampler is compiled too (the others' calls: argmax).
             submit([1 + j] * size, min(3, self.max_len - size), Sampling(1.0) if j == 0 else None)
         self.run_until_idle()
+        # The decode buckets and pickers no call above ran (the requests' decode calls take
+        # the smallest bucket; at max_len 2 none decodes): a call of idle rows each.
+        for n in self.decode_buckets():
+            for picker in ("argmax", "sampler"):
+                if {("decode", n), (picker, n)} <= self._ran:
+                    continue
+                pause()
+                if not self.accepting:
+                    raise EngineError("warm_up: the engine is shutting down or failed")
+                self.run_until_idle()  # a request submitted meanwhile (in-process server)
+                if not {("decode", n), (picker, n)} <= self._ran:
+                    self._run_decode([], bucket=n, sample=picker == "sampler")
 
     def run_until_idle(self, max_steps: int | None = None) -> None:
         """Steps until every submitted request finished (tests, offline use)."""
@@ -1112,15 +1197,15 @@ class Engine:
                 self._preempt(seq)  # the youngest: it waits for the older ones' memory
         return [s for s in rows if s.slot is not None]
 
-    def _write_inputs(self, rows: list[_Seq], **prefill: np.ndarray) -> None:
+    def _write_inputs(self, rows: list[_Seq], **more: np.ndarray) -> None:
         """A call's inputs, in one host-to-device copy: the decoding `rows`' tokens, lengths
-        and write bound, the prefill's (cu_seqlens, its bucket's tokens) when given, and the
-        sampling parameters when an admission changed them."""
+        and write bound, `more` (the prefill's cu_seqlens and tokens, a decode bucket's rows),
+        and the sampling parameters when an admission changed them."""
         tokens = np.zeros((self.max_slots,), np.int32)
         for seq in rows:
             tokens[seq.slot] = seq.generated[-1]
         values = dict(tokens=tokens, lengths=self._lengths(), bound=self._decode_bound(rows))
-        values.update(prefill)
+        values.update(more)
         if self._sampling_dirty:
             values.update(self._sampling_values())
             self._sampling_dirty = False
@@ -1168,18 +1253,45 @@ class Engine:
         self._advance(rows, sampled, status)
         return seconds
 
-    def _run_decode(self, rows: list[_Seq]) -> float:
-        """One call of the decode step (all max_slots rows, one shape): the decoding `rows`
-        advance, the others are idle. Returns its seconds."""
-        self._write_inputs(rows)
+    def _run_decode(
+        self, rows: list[_Seq], bucket: int | None = None, sample: bool | None = None
+    ) -> float:
+        """One call of the decode step: the decoding `rows` advance, the others are idle. It
+        computes the smallest decode bucket of rows that holds them, or `bucket` with the
+        picker `sample` says (warm_up's calls of idle rows). Returns its seconds."""
+        n = self._decode_bucket(len(rows)) if bucket is None else bucket
+        self._write_inputs(rows, **self._row_index(rows, n))
         inputs = self._inputs
         sampled, status, seconds = self._call(
             "decode", inputs["tokens"], self._caches(), inputs["lengths"], inputs["bound"],
-            rows=rows,
+            rows=rows, bucket=n, sample=sample,
         )  # fmt: skip
-        self.stats.decode_calls += 1
+        self._count_decode(n)
         self._advance(rows, sampled, status)
         return seconds
+
+    def _row_index(self, rows: list[_Seq], bucket: int) -> dict[str, np.ndarray]:
+        """The row index of a decode call on `bucket` rows, as an input to write: the decoding
+        `rows`' slots ascending, then max_slots (padding: its picked token is dropped); none
+        for the max_slots bucket (every row, in slot order)."""
+        if bucket == self.max_slots:
+            return {}
+        if len(rows) > bucket:
+            raise AssertionError(f"decode bucket {bucket}: {len(rows)} rows do not fit")
+        index = np.full((bucket,), self.max_slots, np.int32)
+        index[: len(rows)] = sorted(s.slot for s in rows)
+        return {f"decode_rows_{bucket}": index}
+
+    def _row_index_arg(self, bucket: int) -> tuple[jax.Array, ...]:
+        """The row index input of a call on `bucket` rows as the step's and the picker's last
+        argument: () for the max_slots bucket. Taken after any write of the inputs (a write
+        returns every field as a new array, at the same address)."""
+        return () if bucket == self.max_slots else (self._inputs[f"decode_rows_{bucket}"],)
+
+    def _count_decode(self, bucket: int) -> None:
+        self.stats.decode_calls += 1
+        calls = self.stats.decode_bucket_calls
+        calls[bucket] = calls.get(bucket, 0) + 1
 
     def _advance(self, rows: list[_Seq], sampled: np.ndarray, status: np.ndarray) -> None:
         """The decoding rows' tokens of a call reach their requests."""
@@ -1196,31 +1308,54 @@ class Engine:
             self._emit(seq, int(sampled[b]))
 
     def _call(
-        self, kind: str, *args: Any, rows: list[_Seq], counts: np.ndarray | None = None
+        self,
+        kind: str,
+        *args: Any,
+        rows: list[_Seq],
+        counts: np.ndarray | None = None,
+        bucket: int | None = None,
+        sample: bool | None = None,
     ) -> tuple[np.ndarray, np.ndarray, float]:
         """Runs the `kind` step on (params, *args) and the picker of its tokens, with the
         next call's memory committed beside it (_complete) -> (tokens [B], status [B] on the
         host, seconds until they were there)."""
-        return self._complete(self._dispatch(kind, args, rows, counts))
+        return self._complete(self._dispatch(kind, args, rows, counts, bucket, sample))
 
     def _dispatch(
-        self, kind: str, args: tuple, rows: list[_Seq], counts: np.ndarray | None
+        self,
+        kind: str,
+        args: tuple,
+        rows: list[_Seq],
+        counts: np.ndarray | None,
+        bucket: int | None = None,
+        sample: bool | None = None,
     ) -> _Pending:
         """Queues the `kind` step on (params, *args), then the picker of its tokens (argmax
-        where every row of the call is greedy), which also writes them into the `tokens`
-        input; counts their compiles (jit's cache of each, _programs) and takes the caches."""
+        where every row of the call is greedy, or as `sample` says), which also writes them
+        into the `tokens` input; counts their compiles (jit's cache of each, _programs) and
+        takes the caches. A decode call on a `bucket` below max_slots (its row index written)
+        passes the step and the picker its row index; a prefill call computes every row."""
         step = self._prefill if kind == "prefill" else self._decode
+        bucket = self.max_slots if bucket is None else bucket
         programs, pickers = _programs(step, self._traces[kind]), self._picker_programs()
         t0 = time.perf_counter()
-        logits, positions, caches, status = step(self.params, *args)
+        logits, positions, caches, status = step(self.params, *args, *self._row_index_arg(bucket))
         compiled = _programs(step, self._traces[kind]) - programs
         self._accept(caches, verify=bool(compiled))  # the cache's arrays, whatever follows
-        if self._samples(rows, counts):
-            sampling = self._sampling_args()  # may write the inputs: before taking `tokens`
-            field, out = self._sampler(logits, positions, *sampling, status, self._inputs["tokens"])
+        if sample is None:
+            sample = self._samples(rows, counts)
+        if sample:
+            sampling = self._sampling_args()  # may write the inputs: before taking them
+            field, out = self._sampler(
+                logits, positions, *sampling, status, self._inputs["tokens"],
+                *self._row_index_arg(bucket),
+            )  # fmt: skip
         else:
-            field, out = self._greedy(logits, status, self._inputs["tokens"])
+            field, out = self._greedy(
+                logits, status, self._inputs["tokens"], *self._row_index_arg(bucket)
+            )
         self._inputs.replace("tokens", field)
+        self._ran.update({(kind, bucket), ("sampler" if sample else "argmax", bucket)})
         # The step's outputs go back to XLA's allocator once the picker has read them.
         del logits, positions, status
         self.stats.sampler_compiles += self._picker_programs() - pickers
@@ -1228,7 +1363,7 @@ class Engine:
             self.stats.prefill_compiles += compiled
         else:
             self.stats.decode_compiles += compiled
-        return _Pending(rows, counts, out, t0)
+        return _Pending(rows, counts, out, t0, bucket)
 
     def _complete(self, call: _Pending) -> tuple[np.ndarray, np.ndarray, float]:
         """Waits for a dispatched call's tokens -> (tokens [B], status [B] on the host,
@@ -1269,7 +1404,9 @@ class Engine:
         stream order after `call` (StepInputs), its tokens are the ones `call`'s picker writes
         into the `tokens` input, its lengths one more than each row holds now. A row whose
         request ends on `call`'s token (a stop) is computed for nothing: its token is dropped
-        and its slot released after this call (_retire skips the rows in flight)."""
+        and its slot released after this call (_retire skips the rows in flight). Its bucket
+        is the smallest that holds its rows, their slots in its row index (written with the
+        lengths): some of `call`'s rows, so never a larger bucket than `call`'s."""
         if not self.decode_ahead or call.counts is not None or self._ahead:
             return None
         with self._lock:
@@ -1297,11 +1434,14 @@ class Engine:
         for seq in rows:
             lengths[seq.slot] = seq.cached + 1
             bound[seq.slot] = backed[seq.slot]
-        self._inputs.write(lengths=lengths, bound=bound)  # `tokens`: call's picker writes them
+        n = self._decode_bucket(len(rows))
+        assert n <= call.bucket, (n, call.bucket)
+        # `tokens`: call's picker writes them, at its rows' slots (these among them).
+        self._inputs.write(lengths=lengths, bound=bound, **self._row_index(rows, n))
         inputs = self._inputs
         args = (inputs["tokens"], self._caches(), inputs["lengths"], inputs["bound"])
         self.stats.calls_ahead += 1
-        return self._dispatch("decode", args, rows, None)
+        return self._dispatch("decode", args, rows, None, n)
 
     def _run_next(self) -> float:
         """Completes the decode call dispatched ahead: its rows whose request is still running
@@ -1309,7 +1449,7 @@ class Engine:
         call, self._next = self._next, None
         assert call is not None
         sampled, status, seconds = self._complete(call)
-        self.stats.decode_calls += 1
+        self._count_decode(call.bucket)
         running = self._running(call.rows)
         self.stats.wasted_rows += len(call.rows) - len(running)
         self._advance(running, sampled, status)

@@ -393,6 +393,7 @@ def decode_step(
     attention: Callable[..., Any] = gqa_decode,
     projection: Callable[..., Any] | None = None,
     committed: jax.Array | None = None,
+    rows: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """One token per sequence: tokens int32 [B] at positions lengths [B] (< S).
 
@@ -403,22 +404,41 @@ def decode_step(
     `committed` (int32 [B]) bounds the cache writes and turns the status path on, as in
     `prefill`. Returns (float32 logits [B, V], caches), plus status int32 [B] when `committed`
     is given; the caller advances lengths by 1.
+
+    `rows` (int32 [n], n <= B; the Engine's decode row buckets): the cache rows this step
+    advances, then B (padding) to fill n. The embedding, projections, norms, MLP and logits
+    then run on n rows, not B: the attention op still sees B rows (the listed rows' q, k, v
+    scattered to their cache rows, zeros elsewhere), so `committed` must be given and 0 for
+    every row not listed (idle: no reads, no writes). The logits are then [n, V], row i the
+    next token's of cache row rows[i] (a padding row's meaningless); status stays [B].
     """
     (B,) = tokens.shape
     _check_caches(config, caches)
-    x = jnp.take(params["embed"], tokens, axis=0)[:, None, :]  # [B, 1, H]
+    if rows is not None:
+        if rows.ndim != 1 or rows.shape[0] > B or rows.dtype != jnp.int32:
+            raise ValueError(f"rows: expected int32 [n <= B={B}], got {rows.dtype} {rows.shape}")
+        if committed is None:
+            raise ValueError("rows: needs committed (0 for every row not listed: idle)")
+    # Padding rows read row B-1 (clip) and are dropped when scattered (index B).
+    gather = (lambda a: a) if rows is None else (lambda a: jnp.take(a, rows, 0, mode="clip"))
+    scatter = (
+        (lambda a: a)
+        if rows is None
+        else (lambda a: jnp.zeros((B, *a.shape[1:]), a.dtype).at[rows].set(a, mode="drop"))
+    )
+    x = jnp.take(params["embed"], gather(tokens), axis=0)[:, None, :]  # [n, 1, H]
     checked = _StatusPath(committed, B)
 
     def attend(q, k, v, k_cache, v_cache):
         attn, *rest = checked(
             attention(
-                q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, lengths, layout=layout,
-                **checked.kwargs,
+                scatter(q[:, 0]), scatter(k[:, 0]), scatter(v[:, 0]), k_cache, v_cache, lengths,
+                layout=layout, **checked.kwargs,
             )
         )  # fmt: skip
-        return (attn[:, None], *rest)
+        return (gather(attn)[:, None], *rest)
 
-    positions = lengths[:, None]  # [B, 1]
+    positions = gather(lengths)[:, None]  # [n, 1]
     x, out_caches = _decoder(params, config, x, positions, caches, attend, projection or project)
     return checked.result(_logits(params, config, x[:, 0]), out_caches)
 

@@ -50,10 +50,12 @@ def solo(generator, prompt, n, stops=()):
     return list(generator.generate([prompt], n, stop_tokens=list(stops)).tokens[0])
 
 
-def run(model, kind, requests, decode_ahead):
+def run(model, kind, requests, decode_ahead, decode_row_buckets=False):
     """Serves `requests` ((prompt, max_new, stops, sampling) each, two arriving per step) ->
     (completions, stats), checking memory after every step."""
-    eng, arena = build(model, kind, decode_ahead=decode_ahead)
+    eng, arena = build(
+        model, kind, decode_ahead=decode_ahead, decode_row_buckets=decode_row_buckets
+    )
     try:
         pending, handles = list(requests), []
         while pending or eng.has_work():
@@ -67,8 +69,11 @@ def run(model, kind, requests, decode_ahead):
         close(eng, arena, kind)
 
 
+@pytest.mark.parametrize("buckets", [False, True], ids=["all-rows", "row-buckets"])
 @pytest.mark.parametrize("kind", ["host", "eager"])
-def test_tokens_equal_with_calls_ahead_and_without(model, generator, rng, kind):
+def test_tokens_equal_with_calls_ahead_and_without(model, generator, rng, kind, buckets):
+    """With decode row buckets (4 slots: 1, 2, 4) too: a call ahead takes the bucket of its
+    own rows, its tokens taken from the picker's writes at the rows of the call before."""
     vocab = model.config.vocab_size
     requests = []
     for i in range(10):
@@ -80,8 +85,8 @@ def test_tokens_equal_with_calls_ahead_and_without(model, generator, rng, kind):
             stops = (free[int(rng.integers(1, len(free)))],)
         sampling = Sampling(temperature=0.9, top_k=40, seed=i) if i % 4 == 1 else None
         requests.append((prompt, n, stops, sampling))
-    ahead, stats = run(model, kind, requests, decode_ahead=True)
-    serial, serial_stats = run(model, kind, requests, decode_ahead=False)
+    ahead, stats = run(model, kind, requests, True, buckets)
+    serial, serial_stats = run(model, kind, requests, False, buckets)
     for (prompt, n, stops, sampling), a, s in zip(requests, ahead, serial, strict=True):
         assert a.tokens == s.tokens and a.finish_reason == s.finish_reason
         if sampling is None:
@@ -92,7 +97,9 @@ def test_tokens_equal_with_calls_ahead_and_without(model, generator, rng, kind):
         assert a.finish_reason == (FINISH_STOP if stopped else FINISH_LENGTH)
     assert stats.calls_ahead > 0 and serial_stats.calls_ahead == 0
     assert serial_stats.wasted_rows == 0
-    assert stats.decode_compiles == serial_stats.decode_compiles == 1
+    for s in (stats, serial_stats):  # one compile per bucket used
+        assert s.decode_compiles == len(s.decode_bucket_calls)
+        assert set(s.decode_bucket_calls) <= ({1, 2, 4} if buckets else {4})
     assert stats.decode_tokens == serial_stats.decode_tokens  # dropped tokens not counted
     # Not the same calls: one whose every row stopped on the call before is an extra one, and
     # requests arriving while a call is ahead are admitted beside it, one call later.

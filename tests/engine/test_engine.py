@@ -97,7 +97,7 @@ def test_greedy_tokens_equal_generator_in_any_arrival_order(model, generator, rn
             assert c.finish_reason == FINISH_LENGTH and len(c.tokens) == n
             assert c.tokens == alone(generator, p, n), r
         s = eng.stats
-        assert s.decode_compiles == 1
+        assert s.decode_compiles == len(s.decode_bucket_calls) <= len(eng.decode_buckets())
         assert s.prefill_compiles == len(s.prefill_buckets) <= 2  # buckets 16 and 32
         assert s.finished == {FINISH_LENGTH: len(ps)}
         assert idle(eng.cache)
@@ -122,7 +122,11 @@ def test_preemption_keeps_tokens_and_memory_within_the_budget(model, generator, 
         assert sum(r.result().preemptions for r in reqs) == eng.stats.preemptions
         for p, n, r in zip(ps, news, reqs, strict=True):
             assert r.result().tokens == alone(generator, p, n), r
-        assert eng.stats.decode_compiles == 1
+        assert (
+            eng.stats.decode_compiles
+            == len(eng.stats.decode_bucket_calls)
+            <= len(eng.decode_buckets())
+        )
 
 
 def test_memory_invariant_and_compiles_over_a_random_schedule(model, rng, engine):
@@ -143,7 +147,11 @@ def test_memory_invariant_and_compiles_over_a_random_schedule(model, rng, engine
         reasons = [r.completion.finish_reason for r in reqs]
         assert len(reqs) == 200 and all(r.done for r in reqs)
         assert set(reasons) <= {FINISH_LENGTH, FINISH_CANCELLED, FINISH_STOP}
-        assert eng.stats.decode_compiles == 1
+        assert (
+            eng.stats.decode_compiles
+            == len(eng.stats.decode_bucket_calls)
+            <= len(eng.decode_buckets())
+        )
         assert eng.stats.prefill_compiles <= 2
         assert idle(eng.cache)
 
@@ -308,19 +316,36 @@ def test_a_failed_step_ends_every_request_with_its_error(model, rng, engine):
 
 
 @pytest.mark.parametrize(
-    ("max_len", "chunk", "slots"),
-    [(256, 512, 8), (100, 512, 2), (130, 512, 1), (2048, 64, 4), (2048, 200, 4)],
-    ids=["max_len<chunk", "two short slots", "one slot", "chunk<max_len", "chunk not 2^k"],
+    ("max_len", "chunk", "slots", "buckets"),
+    [
+        (256, 512, 8, False),
+        (100, 512, 2, False),
+        (130, 512, 1, False),
+        (2048, 64, 4, False),
+        (2048, 200, 4, False),
+        (256, 64, 8, True),
+    ],
+    ids=[
+        "max_len<chunk",
+        "two short slots",
+        "one slot",
+        "chunk<max_len",
+        "chunk not 2^k",
+        "decode row buckets",
+    ],  # fmt: skip
 )
-def test_after_warm_up_no_request_waits_for_a_compile(model, rng, max_len, chunk, slots):
+def test_after_warm_up_no_request_waits_for_a_compile(model, rng, max_len, chunk, slots, buckets):
     """warm_up compiles every prefill bucket a call can reach, including buckets only a packed
     call of several rows reaches (max_len below the chunk: it used to miss them), and the
-    decode step; a burst of requests of every length then compiles nothing."""
+    decode step of every decode bucket with both its pickers; a burst of requests of every
+    length then compiles nothing."""
     with Engine(model, max_slots=slots, max_len=max_len, prefill_chunk_tokens=chunk,
-                arena=EagerArena()) as eng:  # fmt: skip
+                arena=EagerArena(), decode_row_buckets=buckets) as eng:  # fmt: skip
         eng.warm_up()
-        assert eng.stats.sampler_compiles == 2  # the argmax and the sampler picker
-        before = (eng.stats.prefill_compiles, eng.stats.decode_compiles, 2)
+        rows = len(eng.decode_buckets())  # 1; 4 with buckets (1, 2, 4, 8)
+        assert eng.stats.decode_compiles == rows
+        assert eng.stats.sampler_compiles == 2 * rows  # the argmax and the sampler picker
+        before = (eng.stats.prefill_compiles, rows, 2 * rows)
         for i, n in enumerate(rng.integers(1, min(max_len, 300), 24)):
             prompt = [int(t) for t in rng.integers(3, model.config.vocab_size, n)]
             sampling = Sampling(temperature=0.8, seed=i) if i % 3 == 0 else None
@@ -354,18 +379,22 @@ def test_close_frees_the_cache_when_its_last_step_fails(model):
         arena.close()
 
 
+@pytest.mark.parametrize("buckets", [False, True], ids=["all-rows", "row-buckets"])
 @pytest.mark.parametrize("max_len, max_queue", [(8, 2), (2, 1024), (3, 1)])
-def test_warm_up_fits_any_geometry_the_engine_accepts(model, max_len, max_queue):
+def test_warm_up_fits_any_geometry_the_engine_accepts(model, max_len, max_queue, buckets):
     """warm_up submits several prompts per bucket and a last batch of min(4, max_slots): it
     stays within the engine's own max_queue (it used to raise QueueFull with its requests left
-    queued), and at the smallest max_len accepted (2) its prompts are not empty."""
+    queued), and at the smallest max_len accepted (2) its prompts are not empty. It compiles
+    every decode bucket (1, 2, 4 with decode row buckets) and both pickers of each, whether
+    or not a warm request decoded there (at max_len 2 none decodes)."""
     eng = Engine(model, arena=EagerArena(), max_slots=4, max_len=max_len,
-                 prefill_chunk_tokens=16, max_queue=max_queue)  # fmt: skip
+                 prefill_chunk_tokens=16, max_queue=max_queue,
+                 decode_row_buckets=buckets)  # fmt: skip
     try:
         eng.warm_up()
         assert eng.num_waiting == 0 and not eng.has_work()
-        # At max_len 2 no request decodes (1 prompt token + its first, from prefill).
-        assert eng.stats.decode_compiles == (max_len > 2)
+        assert eng.stats.decode_compiles == len(eng.decode_buckets()) == (3 if buckets else 1)
+        assert eng.stats.sampler_compiles == 2 * len(eng.decode_buckets())
     finally:
         eng.close()
 

@@ -66,7 +66,8 @@ def test_engine_on_vmm_follows_requests_and_matches_generator(model, rng):
             cache = eng.cache
             assert cache.committed_bytes == cache.held_bytes == cache.cached_only_bytes
             s = eng.stats
-            assert s.decode_compiles == 1 and s.prefill_compiles == len(s.prefill_buckets)
+            assert s.decode_compiles == len(s.decode_bucket_calls) <= len(eng.decode_buckets())
+            assert s.prefill_compiles == len(s.prefill_buckets)
             assert s.peak_held_bytes > 2 * eng.cache.bindings * eng.cache.granule  # it grew
         finally:
             eng.close()
@@ -316,7 +317,11 @@ def test_engine_under_a_one_device_mesh_equals_no_mesh(model, rng):
         while eng.has_work():
             eng.step()
             eng.check_memory()
-        assert eng.stats.decode_compiles == 1
+        assert (
+            eng.stats.decode_compiles
+            == len(eng.stats.decode_bucket_calls)
+            <= len(eng.decode_buckets())
+        )
         eng.close()
         return [r.result().tokens for r in reqs]
 
@@ -375,15 +380,20 @@ def assert_steps_replay(eng, steps, prefill_tokens, decode_rows, what):
     assert warm <= 8 and not any(calls[warm:]), (calls, targets[warm:][:3])
 
 
-def test_decode_steps_replay_the_recorded_graph(model, rng):
+@pytest.mark.parametrize(
+    ("slots", "buckets"), [(4, False), (8, True)], ids=["all-rows", "row-buckets"]
+)
+def test_decode_steps_replay_the_recorded_graph(model, rng, slots, buckets):
     """The engine's decode step is one compiled program for its life; on the GPU it should also
     be one recorded CUDA graph, replayed without the FFI handlers' host code (as the Generator's
     is, tests/decode/test_generator_gpu.py). Its per-step inputs sit at fixed addresses
-    (jax_kv/engine/inputs.py): were they new buffers each step, XLA would re-record."""
+    (jax_kv/engine/inputs.py): were they new buffers each step, XLA would re-record. With
+    decode row buckets (8 slots, 4 busy: bucket 4), the row index is one of those inputs."""
     from jax_kv.memory import VmmArena
 
     arena = VmmArena(pool_bytes=0)
-    eng = Engine(model, max_slots=4, max_len=MAX_LEN, arena=arena, prefix_cache=False)
+    eng = Engine(model, max_slots=slots, max_len=MAX_LEN, arena=arena, prefix_cache=False,
+                 decode_row_buckets=buckets)  # fmt: skip
     try:
         reqs = [eng.submit(p, 60, stop_token_ids=[]) for p in prompts(rng, model, [50] * 4)]
         while not all(r.streamed for r in reqs):
@@ -394,6 +404,7 @@ def test_decode_steps_replay_the_recorded_graph(model, rng):
         # the picker's tokens taken on the device, the graph still replayed.
         print(f"decode calls dispatched ahead: {eng.stats.calls_ahead - ahead} of 30")
         assert eng.stats.calls_ahead - ahead >= 25
+        assert set(eng.stats.decode_bucket_calls) == {4}
     finally:
         eng.close()
         arena.close()

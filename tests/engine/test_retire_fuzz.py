@@ -2,19 +2,19 @@
 keeps its slot, neither running nor free, until it is released beside the next call, or at
 once when admission runs short of memory, or by a step with nothing to call).
 
-Each case draws an engine (1-4 slots, chunks of 16 or 32 tokens, a tight budget or none, the
-prefix cache off or on with prefix_cache_bytes None, 0 or two blocks) over the host driver's
-VmmArena or the eager arena, and a schedule: requests arriving between steps (fresh prompts,
-prompts sharing another's prefix, exact repeats, chat continuations of an ended request),
-max_new_tokens 1..20, stop token ids taken from the request's own greedy output (so it stops
-early) or random, and random cancels. Hooks on the engine instance (no library code changed)
-check, while the steps run, that:
+Each case draws an engine (1-4 slots, chunks of 16 or 32 tokens, a tight budget or none, decode
+row buckets or not, the prefix cache off or on with prefix_cache_bytes None, 0 or two blocks)
+over the host driver's VmmArena or the eager arena, and a schedule: requests arriving between
+steps (fresh prompts, prompts sharing another's prefix, exact repeats, chat continuations of an
+ended request), max_new_tokens 1..20, stop token ids taken from the request's own greedy output
+(so it stops early) or random, and random cancels. Hooks on the engine instance (no library
+code changed) check, while the steps run, that:
 
 - no slot is admitted into while it is retiring (`_free_slot` never returns one);
 - a release beside a call (SlotCache.beside_step: no device synchronize) is of a slot no
   running request holds and whose row the call's own inputs leave idle (length 0, decode
-  write bound 0, no packed prefill token), after the call's caches were accepted (the host
-  driver's write-back first, then the unmap);
+  write bound 0, not in its decode bucket's row index, no packed prefill token), after the
+  call's caches were accepted (the host driver's write-back first, then the unmap);
 - a request's slot is released once per admission (no double release);
 - every request is finished exactly once.
 
@@ -76,6 +76,7 @@ def build(model, arena_kind, prefix, prefix_bytes, rng):
         max_slots=int(rng.integers(1, 5)),
         max_len=MAX_LEN,
         prefill_chunk_tokens=int(rng.choice([16, 32])),
+        decode_row_buckets=bool(rng.random() < 0.5),
     )
     budget = None
     if rng.random() < 0.6:  # tight: a few requests' worth (one needs 7 granules at most)
@@ -104,7 +105,7 @@ def instrument(eng, log):
     real_release_slot = cache.release_slot
     real_accept = cache.accept
     released = set()  # (id(seq), seq.admitted): one release per admission
-    state = {"accepted": False, "inputs": {}, "releasing": False}
+    state = {"accepted": False, "inputs": {}, "releasing": False, "bucket": None}
 
     def free_slot():
         b = real_free_slot()
@@ -134,6 +135,9 @@ def instrument(eng, log):
             # packed prefill tokens.
             inputs = state["inputs"]
             assert inputs["lengths"][b] == 0 and inputs["bound"][b] == 0, (b, inputs)
+            bucket = state["bucket"]  # a decode call's rows, its row index written for it
+            if bucket is not None and bucket < eng.max_slots:
+                assert b not in inputs[f"decode_rows_{bucket}"], (b, bucket, inputs)
             if "cu_seqlens" in inputs:
                 assert inputs["cu_seqlens"][b + 1] == inputs["cu_seqlens"][b], (b, inputs)
             # A request's slot (EngineStats.releases_beside_step), or a slot whose admission
@@ -147,9 +151,10 @@ def instrument(eng, log):
 
     real_dispatch = eng._dispatch
 
-    def dispatch(kind, args, rows, counts):
+    def dispatch(kind, args, rows, counts, bucket=None, sample=None):
         state["accepted"] = False  # until this call's caches come back (accept)
-        return real_dispatch(kind, args, rows, counts)
+        state["bucket"] = bucket
+        return real_dispatch(kind, args, rows, counts, bucket, sample)
 
     real_write_inputs = eng._write_inputs
     real_inputs_write = eng._inputs.write

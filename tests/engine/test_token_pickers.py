@@ -27,7 +27,9 @@ def small_engine(model, **kw):
 
 
 def test_the_compiled_steps_and_pickers_hold_no_conditional(model):
-    eng = small_engine(model)
+    """Those of every row and those of a decode row bucket (Engine(decode_row_buckets): the
+    step, argmax and sampler on 2 of the 4 rows, given their row index)."""
+    eng = small_engine(model, decode_row_buckets=True)  # buckets 1, 2, 4
     try:
         inputs, caches = eng._inputs, eng._caches()
         lowered = {
@@ -51,11 +53,19 @@ def test_the_compiled_steps_and_pickers_hold_no_conditional(model):
         status = np.zeros((eng.max_slots,), np.int32)
         lowered["argmax"] = eng._greedy.lower(logits, status, tokens)
         lowered["sampler"] = eng._sampler.lower(logits, positions, *sampling, status, tokens)
+        rows = inputs["decode_rows_2"]
+        lowered["decode on 2 rows"] = eng._decode.lower(
+            eng.params, inputs["tokens"], caches, inputs["lengths"], inputs["bound"], rows
+        )
+        lowered["argmax on 2 rows"] = eng._greedy.lower(logits[:2], status, tokens, rows)
+        lowered["sampler on 2 rows"] = eng._sampler.lower(
+            logits[:2], positions, *sampling, status, tokens, rows
+        )
         for name, low in lowered.items():
             text = low.as_text()
             assert "stablehlo" in text or "HloModule" in text  # the pattern reads this text
             assert not CONDITIONAL.search(text), f"{name}: holds a conditional"
-            if name in ("decode", "prefill"):
+            if name.startswith(("decode", "prefill")):
                 assert not LOOP.search(text), f"{name}: holds a while loop"
     finally:
         eng.close()

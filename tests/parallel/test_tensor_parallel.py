@@ -142,15 +142,23 @@ def test_megatron_params_need_one_all_reduce_per_row_parallel_projection(model):
     assert calls and all(f"[{B},{HQ // 4},{D}]" in line for line in calls), calls[:1]
 
 
-def test_engine_tokens_at_tp_2_and_4_equal_tp_1_and_the_generator(model, rng):
+@pytest.mark.parametrize("buckets", [False, True], ids=["all-rows", "row-buckets"])
+def test_engine_tokens_at_tp_2_and_4_equal_tp_1_and_the_generator(model, rng, buckets):
+    """With decode row buckets too (3 slots: buckets 1 and 3): the step's gather and scatter
+    of the bucket's rows around the per-shard attention op."""
     prompts = [[int(t) for t in rng.integers(3, 500, n)] for n in (5, 70, 1, 33, 130, 9)]
 
     def serve(mesh):
         with Engine(model, max_slots=3, max_len=256, prefill_chunk_tokens=64,
-                    arena=EagerArena(), mesh=mesh) as eng:  # fmt: skip
+                    arena=EagerArena(), mesh=mesh,
+                    decode_row_buckets=buckets) as eng:  # fmt: skip
             reqs = [eng.submit(p, 20, stop_token_ids=[]) for p in prompts]
             eng.run_until_idle()
-            assert eng.stats.decode_compiles == 1
+            assert (
+                eng.stats.decode_compiles
+                == len(eng.stats.decode_bucket_calls)
+                <= len(eng.decode_buckets())
+            )
             if mesh is not None:
                 want_sharding = cache_sharding(mesh, Layout.SEQ_MAJOR)
                 assert eng.cache.k[0].sharding.is_equivalent_to(want_sharding, 4)
@@ -163,22 +171,27 @@ def test_engine_tokens_at_tp_2_and_4_equal_tp_1_and_the_generator(model, rng):
         assert serve(tp_mesh(tp)) == want, f"tp={tp}"
 
 
-@pytest.mark.parametrize("arena", ["eager", "mesh-vmm"])
-def test_a_sharded_engine_compiles_nothing_after_warm_up(model, rng, arena):
-    """Every compiled step and picker is compiled once per signature in warm_up, and a burst
-    of requests of every length adds none, by jit's own cache and by EngineStats (which counts
-    it: a retrace counter misses a recompile for a new argument sharding). The caches the eager
-    path feeds back carry the step's output sharding, spelled as the input's (cache_spec)."""
+@pytest.mark.parametrize(
+    ("arena", "buckets"), [("eager", False), ("mesh-vmm", False), ("eager", True)]
+)
+def test_a_sharded_engine_compiles_nothing_after_warm_up(model, rng, arena, buckets):
+    """Every compiled step and picker is compiled once per signature in warm_up (per decode
+    bucket, with decode row buckets: 1 and 3 at 3 slots), and a burst of requests of every
+    length adds none, by jit's own cache and by EngineStats (which counts it: a retrace
+    counter misses a recompile for a new argument sharding). The caches the eager path feeds
+    back carry the step's output sharding, spelled as the input's (cache_spec)."""
     mesh = tp_mesh(2)
     made = EagerArena() if arena == "eager" else mesh_arena(2)
     with Engine(model, max_slots=3, max_len=256, prefill_chunk_tokens=32, mesh=mesh,
-                arena=made) as eng:  # fmt: skip
+                arena=made, decode_row_buckets=buckets) as eng:  # fmt: skip
         eng.warm_up()
         steps = (eng._prefill, eng._decode, eng._greedy, eng._sampler)
         before = [f._cache_size() for f in steps]
-        assert before == [len(eng.stats.prefill_buckets), 1, 1, 1]
+        rows = len(eng.decode_buckets())
+        assert rows == (2 if buckets else 1)
+        assert before == [len(eng.stats.prefill_buckets), rows, rows, rows]
         counted = (eng.stats.prefill_compiles, eng.stats.decode_compiles)
-        assert counted == tuple(before[:2]) and eng.stats.sampler_compiles == 2
+        assert counted == tuple(before[:2]) and eng.stats.sampler_compiles == 2 * rows
         for i, n in enumerate(rng.integers(1, 200, 12)):
             prompt = [int(t) for t in rng.integers(3, 500, n)]
             sampling = Sampling(temperature=0.9, seed=i) if i % 2 else None
@@ -322,7 +335,11 @@ def test_engine_on_per_device_vmm_arenas_equals_tp_1(model, rng, tp):
         while eng.has_work():
             eng.step()
             eng.check_memory()
-        assert eng.stats.decode_compiles == 1
+        assert (
+            eng.stats.decode_compiles
+            == len(eng.stats.decode_bucket_calls)
+            <= len(eng.decode_buckets())
+        )
         regions = eng.cache.regions
         if mesh is not None:
             assert all(r.holds(a) for r, a in zip(regions, eng.cache.k, strict=False))
