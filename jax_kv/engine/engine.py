@@ -75,9 +75,12 @@ from jax_kv.memory import ArenaExhausted, MeshArena, VmmArena
 from jax_kv.parallel import params_and_attention
 
 PREFILL_MIN_TOKENS = 16  # the smallest prefill bucket
-# Engine(decode_row_buckets=None) turns the decode row buckets on from this many slots. A
-# threshold chosen, not measured: below it every bucket is a handful of rows.
-DECODE_ROW_BUCKETS_MIN_SLOTS = 16
+# Engine(decode_row_buckets=None) turns the decode row buckets on from this many slots. Chosen,
+# not measured: an 8B decode GEMM of M rows is bound by the weights' read up to M ~ 295 on an
+# H100 (its FLOP/byte ridge), so below ~128 rows fewer rows save little, and the buckets' gathers
+# and scatters (4 small ops a layer) are pure cost. bench/engine_step.py --decode-row-buckets
+# times both in one run.
+DECODE_ROW_BUCKETS_MIN_SLOTS = 128
 DECODE_ROW_HALVINGS = 3  # decode buckets: max_slots and up to this many halvings of it
 DEFAULT_MAX_LEN = 4096  # when neither the caller nor the model bounds a sequence lower
 
@@ -384,7 +387,7 @@ class Engine:
             token picker on the smallest bucket >= n, not on every slot (the attention op
             still sees every cache row, the others idle). The prefill call keeps all
             max_slots rows. Needs a model whose decode_step takes `rows`
-            (jax_kv.models.llama.decode_step). Default None: on where max_slots >= 16
+            (jax_kv.models.llama.decode_step). Default None: on where max_slots >= 128
             (DECODE_ROW_BUCKETS_MIN_SLOTS); off, the decode step runs every slot's row.
     """
 

@@ -5,7 +5,7 @@ every cache row (the others idle). Checked:
 
 - `llama.decode_step(rows=)` gives each listed row the logits and cache writes of the full
   step and leaves every other row untouched;
-- the buckets and the default (on from 16 slots);
+- the buckets and the default (on from 128 slots);
 - one compile of the step and two of the pickers per bucket, all in warm_up, and greedy tokens
   equal to Generator alone at every occupancy; sampled tokens equal with buckets and without;
 - a decode call dispatched ahead (Engine(decode_ahead)) takes a bucket that holds its rows,
@@ -90,9 +90,11 @@ def test_decode_step_on_rows_equals_the_full_step(model, rng, rows):
     ("slots", "option", "want"),
     [
         (256, None, [32, 64, 128, 256]),
-        (64, None, [8, 16, 32, 64]),
-        (16, None, [2, 4, 8, 16]),
-        (8, None, [8]),  # off below 16 slots by default
+        (128, None, [16, 32, 64, 128]),
+        (64, None, [64]),  # off below 128 slots by default
+        (64, True, [8, 16, 32, 64]),
+        (16, True, [2, 4, 8, 16]),
+        (8, None, [8]),
         (8, True, [1, 2, 4, 8]),
         (3, True, [1, 3]),
         (1, True, [1]),
