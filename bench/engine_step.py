@@ -323,7 +323,7 @@ def main() -> None:
         "--decode-row-buckets",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="Engine(decode_row_buckets=); default the Engine's (on from 16 slots)",
+        help="Engine(decode_row_buckets=); default the Engine's (on from 128 slots)",
     )
     args = ap.parse_args()
 
