@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from engine_factories import chat_engine, chat_model, make_engine
+from engine_factories import chat_engine, chat_model, make_engine, slowed
 
 import jax_kv.server.engine_process as engine_process
 from jax_kv.engine import EngineError, QueueFull
@@ -54,13 +54,21 @@ def engine_failing_steps():
 
 def engine_preempting():
     """2 slots, a KV budget of 14 granules (16 tokens each) per binding: two requests of 210
-    tokens fit one at a time, so the younger is preempted half way and waits."""
+    tokens fit one at a time, so the younger is preempted half way and waits until the older
+    ends (~100 decode steps). prefill_chunk_tokens=256: a re-admission needs the preempted
+    request's whole re-prefill (~7 granules) at once, which the older one never leaves free;
+    with small chunks (32 tokens: 2 granules) it was re-admitted at once and preempted again,
+    several times, and waited for the last ~16 steps only (~15 ms, missed by the parent's
+    polling about 1 run in 4). Every decode call sleeps 10 ms (decode_ahead off: a call
+    dispatched ahead skips _run_decode), so the wait lasts ~1 s."""
     m = chat_model()
     c = m.config
     granule = 16 * c.num_kv_heads * c.head_dim * 4
     bindings = 2 * c.num_layers
-    return make_engine(m, max_slots=2, max_queue=1, granule_bytes=granule,
-                       kv_budget_bytes=14 * granule * bindings)  # fmt: skip
+    e = make_engine(m, max_slots=2, max_queue=1, granule_bytes=granule,
+                    kv_budget_bytes=14 * granule * bindings, prefill_chunk_tokens=256,
+                    decode_ahead=False)  # fmt: skip
+    return slowed(e, decode_s=0.01)
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -239,8 +247,9 @@ def test_preempted_requests_do_not_count_against_max_queue():
 
         def preempted_waiting():
             s = ep.snapshot()
-            return (s.stats.preemptions > 0 and s.waiting == 1 and s.running == 1
-                    and s.stats.submitted == 2 and not a.done and not b.done)  # fmt: skip
+            return (s.stats.preemptions > 0 and s.waiting == 1 and s.queued == 0
+                    and s.running == 1 and s.stats.submitted == 2 and not a.done
+                    and not b.done)  # fmt: skip
 
         _wait(preempted_waiting, 120, "no preempted request waited")
         # The engine holds one request waiting, which is a preempted one: its own bound
