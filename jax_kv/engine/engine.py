@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -311,6 +312,16 @@ def _into(picked: jax.Array, tokens: jax.Array, rows: jax.Array | None) -> jax.A
     return jnp.where(picked >= 0, picked, tokens)
 
 
+def _decode_step_takes_rows(model: Any) -> bool:
+    """Whether model.decode_step accepts `rows=` (the decode row buckets): a DecoderModel of
+    another library may not, and would fail at the first trace, not here."""
+    try:
+        params = inspect.signature(model.decode_step).parameters
+    except (TypeError, ValueError):  # no signature to read (a C callable): assume it does not
+        return False
+    return "rows" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 def _gather(a: jax.Array, rows: jax.Array | None, fill: Any) -> jax.Array:
     """a [B]'s values at `rows` (int32 [n]; `fill` at a padding entry, B), or `a` itself."""
     return a if rows is None else jnp.take(a, rows, 0, mode="fill", fill_value=fill)
@@ -388,7 +399,8 @@ class Engine:
             still sees every cache row, the others idle). The prefill call keeps all
             max_slots rows. Needs a model whose decode_step takes `rows`
             (jax_kv.models.llama.decode_step). Default None: on where max_slots >= 128
-            (DECODE_ROW_BUCKETS_MIN_SLOTS); off, the decode step runs every slot's row.
+            (DECODE_ROW_BUCKETS_MIN_SLOTS) and the model's decode_step takes `rows`; off,
+            the decode step runs every slot's row. True with a model that does not: ValueError.
     """
 
     def __init__(
@@ -432,8 +444,15 @@ class Engine:
         self.model = model
         self.mesh = mesh
         self.decode_ahead = bool(decode_ahead)
+        takes_rows = _decode_step_takes_rows(model)
         if decode_row_buckets is None:
-            decode_row_buckets = self.max_slots >= DECODE_ROW_BUCKETS_MIN_SLOTS
+            decode_row_buckets = takes_rows and self.max_slots >= DECODE_ROW_BUCKETS_MIN_SLOTS
+        elif decode_row_buckets and not takes_rows:
+            raise ValueError(
+                "decode_row_buckets: expected a model whose decode_step takes `rows` (as "
+                f"jax_kv.models.llama.decode_step does); {type(model).__name__}.decode_step "
+                "does not: pass decode_row_buckets=False or None"
+            )
         self.decode_row_buckets = bool(decode_row_buckets)
         halvings = DECODE_ROW_HALVINGS if self.decode_row_buckets else 0
         self._decode_buckets = tuple(

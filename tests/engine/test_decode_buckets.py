@@ -111,6 +111,30 @@ def test_the_buckets_and_the_default(model, slots, option, want):
         ]
 
 
+class _NoRows:
+    """The test model behind a decode_step without `rows` (another library's DecoderModel);
+    the tests below never trace it."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def decode_step(self, params, tokens, caches, lengths, *, layout, committed=None,
+                    attention=None):  # fmt: skip
+        return self._model.decode_step(params, tokens, caches, lengths, layout=layout,
+                                       committed=committed, attention=attention)  # fmt: skip
+
+
+def test_a_decode_step_without_rows_turns_the_buckets_off_or_is_refused(model):
+    no_rows = _NoRows(model)
+    with Engine(no_rows, arena=EagerArena(), max_slots=128, max_len=32) as eng:
+        assert not eng.decode_row_buckets and eng.decode_buckets() == [128]
+    with pytest.raises(ValueError, match="decode_row_buckets: expected a model whose decode_step"):
+        Engine(no_rows, arena=EagerArena(), max_slots=8, max_len=32, decode_row_buckets=True)
+
+
 def test_one_compile_per_bucket_all_in_warm_up_and_tokens_at_every_occupancy(model, generator, rng):
     """8 slots (buckets 1, 2, 4, 8): warm_up compiles the four steps and both pickers of each;
     14 requests of staggered lengths then pass through every occupancy from 8 to 1, every
