@@ -113,11 +113,12 @@ def test_cancel_returns_the_slots_granules_within_one_step(model, rng):
         arena.close()
 
 
-def first_differences(model, ps, max_len):
-    """32 greedy bf16 tokens of each prompt from a 16-slot engine and from Generator alone,
-    both on one VmmArena -> for each request whose tokens differ: (the first differing
-    token's index d, the engine's token, Generator's token, the logits [V] float64 at d: the
-    sequence so far run through the padded prefill, one shape for every difference)."""
+def first_differences(model, ps, max_len, alone=None):
+    """32 greedy bf16 tokens of each prompt from a 16-slot engine and from Generator alone
+    (`alone`: those the caller already has), both on one VmmArena -> for each request whose
+    tokens differ: (the first differing token's index d, the engine's token, Generator's
+    token, the logits [V] float64 at d: the sequence so far run through the padded prefill,
+    one shape for every difference)."""
     from jax_kv.layout import Layout
     from jax_kv.memory import VmmArena
     from jax_kv.models import llama
@@ -136,8 +137,10 @@ def first_differences(model, ps, max_len):
         )
     )  # fmt: skip
     out = []
-    for p, r in zip(ps, reqs, strict=True):
-        got, want = r.result().tokens, gen.generate([p], 32, stop_tokens=[]).tokens[0]
+    if alone is None:
+        alone = [gen.generate([p], 32, stop_tokens=[]).tokens[0] for p in ps]
+    for p, r, want in zip(ps, reqs, alone, strict=True):
+        got = r.result().tokens
         d = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
         if d is None:
             continue
@@ -204,10 +207,6 @@ def test_bf16_real_model_first_32_tokens_agree_with_generator(capsys):
     model = jm.load(real_gguf(), jnp.bfloat16)
     texts = CHAT_TEXTS
     ps = [model.encode(model.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
-    diffs = []
-    for d, got, want, row in first_differences(model, ps, max_len=1024):
-        ulp = 2.0 ** (np.floor(np.log2(abs(row[want]))) - 7)  # at the Generator's token's logit
-        diffs.append((d, round(abs(row[got] - row[want]), 4), ulp))
     from jax_kv.memory import VmmArena
 
     arena = VmmArena(pool_bytes=0)
@@ -217,6 +216,10 @@ def test_bf16_real_model_first_32_tokens_agree_with_generator(capsys):
                for t in gen.generate(ps[i : i + 16], 32, stop_tokens=[]).tokens]  # fmt: skip
     del gen
     arena.close()
+    diffs = []
+    for d, got, want, row in first_differences(model, ps, max_len=1024, alone=alone):
+        ulp = 2.0 ** (np.floor(np.log2(abs(row[want]))) - 7)  # at the Generator's token's logit
+        diffs.append((d, round(abs(row[got] - row[want]), 4), ulp))
     engine_equal = len(ps) - len(diffs)
     batched_equal = sum(a == b for a, b in zip(batched, alone, strict=True))
     with capsys.disabled():
