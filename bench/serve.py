@@ -701,11 +701,6 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=32768)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument(
-        "--stack-layers",
-        action="store_true",
-        help="Model.stack_layers(): every engine's params as one array per weight over the layers",
-    )
-    ap.add_argument(
         "--prefix-cache-gib", type=float, default=None,
         help="cap the prefix cache's blocks that no running request maps (Engine("
         "prefix_cache_bytes)); default: kept until admission needs the memory",
@@ -778,8 +773,6 @@ def main() -> None:
     # Fused once, in place: every engine runs the fused projections, and none holds a fused
     # copy beside the separate weights (14 GiB at 8B, memory the dense cache needs).
     model.fuse_projections()
-    if args.stack_layers:  # one leaf per weight: jit's per-call work stops following the layers
-        model.stack_layers()
     rng = np.random.default_rng(args.seed)
     if args.workload == "multi-turn":
         print(

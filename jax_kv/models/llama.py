@@ -23,13 +23,6 @@ Params pytree (weights in Hugging Face orientation [out, in], so loading never t
 shape, B=1): 1 kernel fewer per layer (XLA had merged some sibling projections already) and
 11% less device time per token. The functions here accept either form.
 
-`stack_layers` rewrites "layers" to one array per weight stacked over the layers ({"wo":
-[num_layers, H, Hq*D], ...}), read back as `layers[name][i]` with a static i inside the step:
-the same model in a dozen parameter leaves where there was a dozen per layer, so a jitted
-step's call checks a dozen arguments, not hundreds (jit's per-argument work was about half of
-the Engine's host time per step at Qwen2.5-0.5B's 24 layers). The functions here accept either
-form.
-
 Caches: a list with one (k_cache, v_cache) per layer, each [B, Hkv, S, D] (HEAD_MAJOR) or
 [B, S, Hkv, D] (SEQ_MAJOR), plus one int32 [B] `lengths` shared by all layers. Layers are
 unrolled in Python: DESIGN.md measured a lax.fori_loop over layers 20-40% slower.
@@ -170,13 +163,12 @@ def fuse_projections(params: Params, *, delete_unfused: bool = False) -> Params:
     concatenated along the output axis (module docstring). Layers already fused pass through.
     delete_unfused frees each layer's separate weights as soon as its fused copy exists, so
     the peak is one layer over the model's size."""
-    stacked = isinstance(params["layers"], dict)
     layers = []
-    for p in [params["layers"]] if stacked else params["layers"]:
+    for p in params["layers"]:
         fused = {k: v for k, v in p.items() if not any(k in parts for parts in _FUSED.values())}
         for name, parts in _FUSED.items():
-            if all(part in p for part in parts):  # the output axis: after the layer axis
-                fused[name] = jnp.concatenate([p[part] for part in parts], axis=int(stacked))
+            if all(part in p for part in parts):
+                fused[name] = jnp.concatenate([p[part] for part in parts])
         if delete_unfused:
             jax.block_until_ready(fused)
             for parts in _FUSED.values():
@@ -184,38 +176,7 @@ def fuse_projections(params: Params, *, delete_unfused: bool = False) -> Params:
                     if part in p:
                         p[part].delete()
         layers.append(fused)
-    return params | {"layers": layers[0] if stacked else layers}
-
-
-def stack_layers(params: Params, *, delete_unstacked: bool = False) -> Params:
-    """The same params with "layers" as one [num_layers, ...] array per weight (module
-    docstring); stacked params pass through. delete_unstacked frees each weight's per-layer
-    arrays as soon as its stack exists, so the peak is one weight's stack over the model's
-    size."""
-    layers = params["layers"]
-    if isinstance(layers, dict):
-        return params
-    names = layers[0].keys()
-    if any(p.keys() != names for p in layers):
-        raise ValueError("params: expected every layer to hold the same weights to stack them")
-    stacked = {}
-    for name in names:
-        stacked[name] = jnp.stack([p[name] for p in layers])
-        if delete_unstacked:
-            jax.block_until_ready(stacked[name])
-            for p in layers:
-                p[name].delete()
-    return params | {"layers": stacked}
-
-
-def layer_params(params: Params) -> list[Params]:
-    """Each layer's weights as a dict, from either form: under jit a stacked weight's
-    `w[i]` is a static slice of one argument (XLA reads it in place where the consumer can)."""
-    layers = params["layers"]
-    if not isinstance(layers, dict):
-        return layers
-    n = len(next(iter(layers.values())))
-    return [{name: w[i] for name, w in layers.items()} for i in range(n)]
+    return params | {"layers": layers}
 
 
 def _logits(params: Params, config: ModelConfig, x: jax.Array) -> jax.Array:
@@ -247,7 +208,7 @@ def _decoder(
     attention call (padded prefill, packed prefill or decode). -> (x [b, t, H], caches)."""
     b, t, _ = x.shape
     out_caches: Caches = []
-    for p, (k_cache, v_cache) in zip(layer_params(params), caches, strict=True):
+    for p, (k_cache, v_cache) in zip(params["layers"], caches, strict=True):
         q, k, v = _qkv(p, config, x, positions, projection)
         attn, k_cache, v_cache = attend(q, k, v, k_cache, v_cache)
         x = projection(attn.reshape(b, t, -1), p["wo"], residual=x)
@@ -557,14 +518,7 @@ def partition_specs(params: Params, axis: str = "tp") -> Any:
         return P()
 
     specs: dict[str, Any] = {k: P() for k in params if k != "layers"}
-    layers = params["layers"]
-    if isinstance(layers, dict):  # stacked: the layer axis first, never sharded
-        specs["layers"] = {
-            n: P(None, *layer_spec(n, jax.ShapeDtypeStruct(w.shape[1:], w.dtype)))
-            for n, w in layers.items()
-        }
-    else:
-        specs["layers"] = [{n: layer_spec(n, w) for n, w in p.items()} for p in layers]
+    specs["layers"] = [{n: layer_spec(n, w) for n, w in p.items()} for p in params["layers"]]
     return specs
 
 
@@ -609,7 +563,6 @@ __all__ = [
     "decode_step",
     "decode_step_jit",
     "init_caches",
-    "layer_params",
     "param_shapes",
     "partition_specs",
     "prefill",
@@ -617,5 +570,4 @@ __all__ = [
     "random_params",
     "rms_norm",
     "rope_inv_freq",
-    "stack_layers",
 ]

@@ -130,13 +130,6 @@ class Model:
         2 matmuls per layer where there were 5. The separate weights are freed; idempotent."""
         self.params = llama.fuse_projections(self.params, delete_unfused=True)
 
-    def stack_layers(self) -> None:
-        """Rewrites params in place to the stacked form (llama.stack_layers): one array per
-        weight over all layers, so a jitted step takes a dozen parameter arguments where it
-        took a dozen per layer (less host time per call). The per-layer arrays are freed;
-        idempotent. Works before or after fuse_projections, and under tensor parallelism."""
-        self.params = llama.stack_layers(self.params, delete_unstacked=True)
-
     def delete(self) -> None:
         """Frees the params' device memory now."""
         for leaf in jax.tree_util.tree_leaves(self.params):

@@ -171,22 +171,6 @@ def test_engine_tokens_at_tp_2_and_4_equal_tp_1_and_the_generator(model, rng, bu
         assert serve(tp_mesh(tp)) == want, f"tp={tp}"
 
 
-def test_stacked_params_shard_with_the_layer_axis_whole_and_serve_the_same_tokens(model, rng):
-    """Model.stack_layers under a mesh: each weight's specs as per layer behind an unsharded
-    layer axis, and the engine's tokens at tp=2 equal the per-layer model's at tp=1."""
-    stacked = jm.Model(config=model.config, params=llama.stack_layers(model.params))
-    params = shard_params(stacked, tp_mesh(2))
-    assert params["layers"]["wq"].sharding.spec == P(None, "tp", None)
-    assert params["layers"]["wo"].sharding.spec == P(None, None, "tp")
-    prompts = [[int(t) for t in rng.integers(3, 500, n)] for n in (5, 70, 33)]
-    want = Generator(model, arena=EagerArena(), max_len=256).generate(prompts, 12, stop_tokens=[])
-    with Engine(stacked, max_slots=3, max_len=256, prefill_chunk_tokens=64,
-                arena=EagerArena(), mesh=tp_mesh(2)) as eng:  # fmt: skip
-        reqs = [eng.submit(p, 12, stop_token_ids=[]) for p in prompts]
-        eng.run_until_idle()
-        assert [r.result().tokens for r in reqs] == want.tokens
-
-
 @pytest.mark.parametrize(
     ("arena", "buckets"), [("eager", False), ("mesh-vmm", False), ("eager", True)]
 )
