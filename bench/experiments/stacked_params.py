@@ -29,7 +29,7 @@ import numpy as np
 M = int(sys.argv[1]) if len(sys.argv) > 1 else 128
 L = int(sys.argv[2]) if len(sys.argv) > 2 else 24
 HIDDEN, QKV, FFN = 896, 896 + 2 * 128, 4864  # Qwen2.5-0.5B: 14 q heads, 2 kv heads of 64
-REPEAT = 50
+REPEAT = 20
 SHAPES = {
     "wqkv": (HIDDEN, QKV),
     "wo": (HIDDEN, HIDDEN),
@@ -39,6 +39,9 @@ SHAPES = {
 
 
 def layer(x, w):
+    x = x * jax.lax.rsqrt(
+        jnp.mean(jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + 1e-6
+    ).astype(x.dtype)
     h = x + (x @ w["wqkv"])[:, :HIDDEN] @ w["wo"]
     gu = h @ w["wgu"]
     return h + (jax.nn.silu(gu[:, :FFN]) * gu[:, FFN:]) @ w["wd"]
