@@ -65,20 +65,26 @@ def main() -> None:
         action="store_true",
         help="step as the background driver does (tokens delivered beside the next call)",
     )
+    ap.add_argument(
+        "--qwen",
+        action="store_true",
+        help="Qwen2.5-0.5B's geometry: 24 layers, 8,192 tokens to a granule (512 KiB here)",
+    )
     args = ap.parse_args()
 
     # 1 KV head of 32 bf16: 64-byte tokens, 1,024 to a 64 KiB granule, as 2 KiB tokens are to
     # the 8B's 2 MiB granule.
     config = dataclasses.replace(
-        jm.PRESETS["tiny-llama"], num_layers=32, num_q_heads=1, num_kv_heads=1, head_dim=32,
-        hidden_size=32, intermediate_size=32, max_position_embeddings=32768, rope_scaling=None,
+        jm.PRESETS["tiny-llama"], num_layers=24 if args.qwen else 32, num_q_heads=1,
+        num_kv_heads=1, head_dim=32, hidden_size=32, intermediate_size=32,
+        max_position_embeddings=32768, rope_scaling=None,
     )  # fmt: skip
     model = jm.random_model(config, seed=0, dtype=jnp.bfloat16)
     t0 = time.perf_counter()
     # The slots' ranges (64 bindings of 32k 64-byte tokens each) and as much again for the
     # prefix store.
     arena = host_arena(reserve_bytes=max(20 << 30, args.slots * 64 * 32768 * 64 * 5 // 2),
-                       granule=64 << 10)  # fmt: skip
+                       granule=(512 if args.qwen else 64) << 10)  # fmt: skip
     eng = Engine(model, max_slots=args.slots, max_len=32768, prefill_chunk_tokens=512,
                  arena=arena, prefix_cache=not args.no_prefix,
                  prefix_cache_bytes=args.prefix_cache_bytes)  # fmt: skip

@@ -347,7 +347,12 @@ def main() -> None:
         for n in [int(x) for x in args.busy.split(",")]:
             prompts = [[int(t) for t in rng.integers(3, config.vocab_size, args.prompt)]
                        for _ in range(n)]  # fmt: skip
-            new = 3 * args.steps + 8
+            # Enough new tokens that no request ends before the timings do: the first one
+            # admitted decodes through the whole fill (a prefill chunk a step) before them.
+            # (With 3 * steps + 8 alone, the 128- and 256-row fills of the eleventh session
+            # outlasted their first requests: 44 rows were left.)
+            fill_steps = -(-n * args.prompt // eng.prefill_chunk_tokens)
+            new = 3 * args.steps + 8 + fill_steps
             reqs = fill(eng, prompts, new)
             row = dict(busy=n, prompt=args.prompt, **time_steps(eng, args.steps))
             row["bucket"] = eng._decode_bucket(n)
@@ -368,6 +373,7 @@ def main() -> None:
                 row["piece_tflop_s"] = matmul_flops(config, args.piece) / added / 1e12
             live = eng.cache.live_bytes
             row["live_kv_bytes"] = int(live)
+            row["decoding_rows"] = eng.num_running  # what `busy` says, checked
             for r in reqs:
                 r.cancel()
             eng.run_until_idle()

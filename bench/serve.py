@@ -225,7 +225,7 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None,
             if not eng.has_work():
                 time.sleep(max(0.0, min(0.01, arrivals[order[nxt]] - now)))
                 continue
-            live_before = cache.live_bytes
+            live_before = eng.live_bytes
             calls0 = calls() if calls else 0
             if profiler is not None:
                 profiler.enable()
@@ -243,7 +243,7 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None,
             held.append(cache.held_bytes)
             cached_only.append(cache.cached_only_bytes if eng.prefix is not None else 0)
             committed.append(cache.committed_bytes)
-            live_kv.append(cache.live_bytes)
+            live_kv.append(eng.live_bytes)  # running requests' only
             floors.append(cache.floor_bytes(in_use))
             if shared:
                 tails = np.maximum(cache.lengths.astype(np.int64) - args.system_tokens, 0).sum()

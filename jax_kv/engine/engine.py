@@ -135,6 +135,9 @@ class EngineStats:
     # them (what _plan_ahead and the commits ahead move beside the calls).
     planning_commits: int = 0
     slots_handed_over: int = 0  # ended requests' slots given to the next with their granules
+    # Ended requests' slots kept past a call for the queue's heads to be handed over (one count
+    # per slot and call it waited through) instead of released and committed again.
+    slots_kept_for_queue: int = 0
     # Partial blocks an ended request wrote in the granules its slot's next request takes,
     # evicted so the slot could be handed over in place (PrefixCache.evict_partials).
     hand_over_evictions: int = 0
@@ -774,6 +777,13 @@ class Engine:
         return sum(s is not None for s in self._slots)
 
     @property
+    def live_bytes(self) -> int:
+        """KV bytes of the running requests' tokens, all layers, K and V (ended requests'
+        slots, released or handed over after their last call, are not counted)."""
+        tokens = sum(int(self.cache.lengths[b]) for b, s in enumerate(self._slots) if s is not None)
+        return tokens * self.cache.token_bytes * self.cache.bindings
+
+    @property
     def num_waiting(self) -> int:
         """Requests queued (preempted ones included)."""
         with self._lock:
@@ -1132,12 +1142,26 @@ class Engine:
         seq.slot = None
         self._trim_prefix()
 
-    def _retire(self, only: int | None = None) -> None:
+    def _retire(self, only: int | None = None, keep_for_queue: bool = False) -> None:
         """Releases the slots of the requests that ended in the last call (or slot `only`;
         the block each ended in was cached when it ended). While a call is in flight it
         leaves those rows idle (they were not planned into it), so the unmaps need not wait
-        for it (SlotCache.beside_step)."""
+        for it (SlotCache.beside_step).
+
+        keep_for_queue: as many of them as the queue has heads beyond the free slots stay
+        (the fewest granules first), for _admit to hand over with their granules when the
+        prefill chunk has room: released now, each would cost ~7 driver calls per granule
+        and binding (unmap, zero map, then map again) for the head that takes its place a
+        call or two later. Short of memory, _commit releases them first."""
         slots = [only] if only is not None else self._releasable()
+        if keep_for_queue and slots:
+            with self._lock:
+                waiting = len(self._queue)
+            free = sum(s is None and b not in self._retiring for b, s in enumerate(self._slots))
+            keep = max(0, min(len(slots), waiting - free))
+            slots.sort(key=lambda b: int(self.cache.granules[b]))
+            self.stats.slots_kept_for_queue += keep
+            slots = slots[keep:]
         if not slots:
             return
         beside_step = self._in_flight is not None  # inside _complete's cache.beside_step()
@@ -1405,7 +1429,7 @@ class Engine:
                 self.stats.delivered_beside_call += self._deliver()  # the last call's tokens
                 self._commit_ahead(call.rows, call.counts)  # the running requests' memory first
                 self._plan_ahead(call.counts)
-                self._retire()
+                self._retire(keep_for_queue=True)
                 self._next = self._dispatch_next(call)
         finally:
             # A call dispatched ahead is in flight until the next step completes it.

@@ -4,6 +4,7 @@ and with preemptions forced, the memory invariant after every step of a random s
 decode compile for the engine's life, prefill compiles per bucket only, the background driver
 and failures that end every request instead of losing one."""
 
+import functools
 import threading
 
 import jax
@@ -613,6 +614,41 @@ def test_a_queued_request_takes_an_ended_slots_granules_as_they_are(model, gener
             runs[queued] = (arena.stats().map_calls - maps) if eng.cache.is_vmm else 0
     if runs[False]:
         assert runs[True] < runs[False], runs
+
+
+def release_at_once(retire, only=None, keep_for_queue=False):
+    """Engine._retire as it was before keep_for_queue: every ended slot released now."""
+    return retire(only)
+
+
+def test_ended_slots_wait_for_the_queue_and_are_handed_over_not_released(
+    model, generator, rng, engine
+):
+    """Saturated (a queue longer than the slots, a prefill chunk the running prompts fill), a
+    slot whose request ended is kept past the call for a queued head (Engine._retire's
+    keep_for_queue) instead of released: every admission after the first max_slots takes an
+    ended slot with its granules, the memory invariant holds after every step, tokens equal
+    Generator's, and once the queue is empty every slot is released. Against the same run
+    with every ended slot released at once: more hand-overs, fewer map calls on VMM."""
+    ps = prompts(rng, model, [60, 45, 70, 50, 65, 40, 55, 75])
+    news = [3, 9, 5, 12, 4, 8, 6, 10]
+    runs = {}
+    for keep in (True, False):
+        with engine(model, max_slots=3, prefill_chunk_tokens=16, prefix_cache=False) as eng:
+            if not keep:
+                eng._retire = functools.partial(release_at_once, eng._retire)
+            maps = eng.cache.arena.stats().map_calls if eng.cache.is_vmm else 0
+            reqs = [eng.submit(p, n, stop_token_ids=[]) for p, n in zip(ps, news, strict=True)]
+            while eng.step():
+                eng.check_memory()
+            for p, n, r in zip(ps, news, reqs, strict=True):
+                assert r.result().tokens == alone(generator, p, n)
+            assert (eng.stats.slots_kept_for_queue > 0) == keep
+            assert idle(eng.cache)
+            maps = (eng.cache.arena.stats().map_calls - maps) if eng.cache.is_vmm else 0
+            runs[keep] = (eng.stats.slots_handed_over, maps)
+    assert runs[True][0] == len(ps) - 3 > runs[False][0], runs
+    assert runs[True][1] < runs[False][1] or not runs[True][1], runs
 
 
 def test_a_queued_request_takes_an_ended_slot_whose_blocks_the_prefix_store_keeps(
