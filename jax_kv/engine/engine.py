@@ -121,6 +121,8 @@ class EngineStats:
     finished: dict[str, int] = dataclasses.field(default_factory=dict)  # per finish reason
     preemptions: int = 0
     peak_held_bytes: int = 0
+    # The slots' tokens (cache.live_bytes): an ended request's slot kept for the queue's head
+    # counts until it is handed over or released (Engine.live_bytes leaves it out).
     peak_live_bytes: int = 0
     host_seconds: float = 0.0  # step time outside the jitted calls' device work
     step_seconds: float = 0.0
