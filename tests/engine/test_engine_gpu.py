@@ -82,6 +82,53 @@ def test_engine_on_vmm_follows_requests_and_matches_generator(model, rng):
         arena.close()
 
 
+def test_ended_slots_kept_for_the_queue_on_cuda(model, rng):
+    """A queue longer than the slots, on the CUDA VmmArena: ended slots wait for the queue's
+    heads and are handed over with their granules (Engine._retire's keep_for_queue; the
+    64-token chunk is full of long prompts' pieces when the short outputs end), the
+    arena's bytes equal the slots' after every step, tokens equal Generator's (f32 at
+    "highest"), and the run makes fewer map calls than one with every ended slot released at
+    once. Prints both runs' driver calls."""
+    from jax_kv.memory import VmmArena
+
+    lengths, news = [700, 300, 1100, 200, 900, 500, 1300, 400], [12, 30, 8, 40, 16, 24, 10, 20]
+    ps = prompts(rng, model, lengths)
+    runs = {}
+    with jax.default_matmul_precision("highest"):
+        for keep in (True, False):
+            arena = VmmArena(pool_bytes=0)
+            eng = Engine(model, max_slots=3, max_len=MAX_LEN, prefill_chunk_tokens=64,
+                         arena=arena, prefix_cache=False)  # fmt: skip
+            if not keep:
+                retire = eng._retire
+                eng._retire = lambda only=None, keep_for_queue=False, r=retire: r(only)
+            try:
+                before = arena.stats()
+                reqs = [eng.submit(p, n, stop_token_ids=[]) for p, n in zip(ps, news, strict=True)]
+                while eng.step():
+                    eng.check_memory()
+                after = arena.stats()
+                runs[keep] = dict(
+                    handed_over=eng.stats.slots_handed_over,
+                    kept=eng.stats.slots_kept_for_queue,
+                    maps=after.map_calls - before.map_calls,
+                    unmaps=after.unmap_calls - before.unmap_calls,
+                    tokens=[r.result().tokens for r in reqs],
+                )
+                assert eng.cache.committed_bytes == 0
+            finally:
+                eng.close()
+                arena.close()
+        gen = Generator(model, arena=VmmArena(pool_bytes=0), max_len=MAX_LEN)
+        want = [
+            gen.generate([p], n, stop_tokens=[]).tokens[0] for p, n in zip(ps, news, strict=True)
+        ]
+    print({k: {n: v for n, v in r.items() if n != "tokens"} for k, r in runs.items()})
+    assert runs[True]["tokens"] == runs[False]["tokens"] == want
+    assert runs[True]["kept"] > 0 and runs[True]["handed_over"] > runs[False]["handed_over"]
+    assert runs[True]["maps"] < runs[False]["maps"], runs
+
+
 def test_cancel_returns_the_slots_granules_within_one_step(model, rng):
     from jax_kv.memory import VmmArena
 
