@@ -225,7 +225,7 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None,
             if not eng.has_work():
                 time.sleep(max(0.0, min(0.01, arrivals[order[nxt]] - now)))
                 continue
-            live_before = eng.live_bytes
+            live_before = live_kv[-1] if live_kv else eng.live_bytes  # none ran since
             calls0 = calls() if calls else 0
             if profiler is not None:
                 profiler.enable()

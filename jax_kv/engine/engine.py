@@ -782,7 +782,8 @@ class Engine:
     def live_bytes(self) -> int:
         """KV bytes of the running requests' tokens, all layers, K and V (ended requests'
         slots, released or handed over after their last call, are not counted)."""
-        tokens = sum(int(self.cache.lengths[b]) for b, s in enumerate(self._slots) if s is not None)
+        running = [b for b, s in enumerate(self._slots) if s is not None]
+        tokens = int(self.cache.lengths[running].astype(np.int64).sum())
         return tokens * self.cache.token_bytes * self.cache.bindings
 
     @property
