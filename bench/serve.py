@@ -400,7 +400,10 @@ def run_engine_serial(model, wl: Workload, arrivals: np.ndarray, args) -> dict:
     return run_engine(model, wl, arrivals, args, decode_ahead=False)
 
 
-DENSE_HEADROOM_BYTES = 6 << 30  # XLA's temporaries: an 8k prefill's fresh cache, cuDNN's work
+# XLA's temporaries: an 8k prefill's fresh cache, its activations, cuDNN's work. 6 GiB was too
+# little for the Llama-3-8B shape on the H100 (8d40951: 13 rows of 32k, then 832 MiB requests
+# retried until the stage's limit).
+DENSE_HEADROOM_BYTES = 14 << 30
 
 
 def dense_slots_that_fit(model, args) -> int:
@@ -414,12 +417,28 @@ def dense_slots_that_fit(model, args) -> int:
         return want
     c = model.config
     row = 2 * c.num_layers * args.max_len * c.num_kv_heads * c.head_dim * model.dtype.itemsize
-    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) - DENSE_HEADROOM_BYTES
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    # XLA's limit is a fraction of the card, blind to other processes' memory: the driver's
+    # free bytes are not (8d40951 on the H100: XLA's figure said 11 rows fit while the parent
+    # process still held its weights, and the child retried allocations until its limit).
+    free = min(free, driver_free_bytes() or free) - DENSE_HEADROOM_BYTES
     fits = int(max(0, free) // row)
     if fits < want:
         print(f"dense: {want} slots of {row / 2**30:.2f} GiB do not fit {free / 2**30:.1f} GiB "
               f"free: {fits} slots", flush=True)  # fmt: skip
     return min(want, fits)
+
+
+def driver_free_bytes() -> int | None:
+    """The device's free memory as the CUDA driver counts it (every process's use), or None
+    where cuda-python or a current context is missing."""
+    try:
+        from cuda.bindings import driver as cu
+
+        err, free, _ = cu.cuMemGetInfo()
+    except ImportError:
+        return None
+    return int(free) if err == cu.CUresult.CUDA_SUCCESS else None
 
 
 def run_dense(model, wl: Workload, arrivals: np.ndarray, args) -> dict:
@@ -444,7 +463,9 @@ def run_dense_in_own_process(rate_name: str) -> dict:
     process it is capped at XLA's default 75% (the rest is the VMM arena's), which left the
     dense comparator 9 rows of 32k on the H100 where ~13 fit beside the 8B weights. The child
     runs this script's own command line with `--engines dense --rates RATE` appended (argparse
-    keeps the last value), so it builds the same seeded weights, workload and arrivals."""
+    keeps the last value), so it builds the same seeded weights, workload and arrivals. main()
+    runs it before this process builds its model: run after, it shared the card with this
+    process's weights and pool (8d40951, H100: the 8B child's cache did not fit)."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "dense.json"
         argv = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--engines",
@@ -763,6 +784,16 @@ def main() -> None:
     if multi_turn and (unknown := set(args.engines.split(",")) - {"jax_kv", "jax_kv-noprefix"}):
         ap.error(f"--engines: multi-turn runs jax_kv and jax_kv-noprefix, not {sorted(unknown)}")
 
+    child = args.child_result is not None
+    if child:  # the child's command line repeats the parent's --dense-process
+        args.dense_process = "shared"
+    elif args.dense_process is None:
+        args.dense_process = "own" if jax.default_backend() == "gpu" else "shared"
+    dense_rows = {}  # rate -> the dense child's result, run before this process holds memory
+    own = args.dense_process == "own" and not multi_turn
+    if own and "dense" in args.engines.split(","):
+        dense_rows = {r: run_dense_in_own_process(r) for r in args.rates.split(",")}
+
     config = dataclasses.replace(
         jm.PRESETS[args.model],
         max_position_embeddings=max(
@@ -812,11 +843,6 @@ def main() -> None:
     stem = f"serve_{args.model}_{jax.default_backend()}"
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-    child = args.child_result is not None
-    if child:  # the child's command line repeats the parent's --dense-process
-        args.dense_process = "shared"
-    elif args.dense_process is None:
-        args.dense_process = "own" if jax.default_backend() == "gpu" else "shared"
     if not child:
         print_header(args)
     for rate_name in args.rates.split(","):
@@ -830,7 +856,7 @@ def main() -> None:
                   "jax_kv-serial": run_engine_serial, "dense": run_dense,
                   "static": run_static}[name]  # fmt: skip
             if name == "dense" and args.dense_process == "own":
-                row[name] = run_dense_in_own_process(rate_name)
+                row[name] = dense_rows[rate_name]
             else:
                 row[name] = fn(model, wl, arrivals, args)
             if child:
