@@ -156,7 +156,9 @@ def main() -> None:
         f"admissions {st.submitted - stats0.submitted}: beside a call "
         f"{getattr(st, 'admitted_ahead', 0)}, slot commits with no call in flight "
         f"{getattr(st, 'planning_commits', '(not counted)')}, pieces committed ahead "
-        f"{getattr(st, 'pieces_ahead', 0)}"
+        f"{getattr(st, 'pieces_ahead', 0)}; before the next call's dispatch "
+        f"{getattr(st, 'before_next_seconds', float('nan')) * 1e3 / max(1, st.calls_ahead):.3f}"
+        f" ms per call dispatched ahead ({st.calls_ahead})"
     )
     c = arena.stats()
     kinds = ("map", "unmap", "set_access", "zero_map", "zero_access", "zero_fill")

@@ -321,6 +321,11 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None,
             # commits and admissions), and the calls it outlasted (the device may have waited).
             beside_ms_per_step=(s.beside_seconds - s0.beside_seconds) * 1e3 / max(1, len(host)),
             beside_overran_calls=s.beside_overran - s0.beside_overran,
+            # Of that work, what came before the next decode call's dispatch (the device's wait
+            # when the work outlasts a call), per call dispatched ahead.
+            before_next_ms_per_call_ahead=(s.before_next_seconds - s0.before_next_seconds)
+            * 1e3
+            / max(1, s.calls_ahead - s0.calls_ahead),
             admitted_beside_a_call=s.admitted_ahead - s0.admitted_ahead,
             admissions=s.submitted - s0.submitted,
             planning_commits=s.planning_commits - s0.planning_commits,
@@ -576,7 +581,8 @@ def print_row(rate: str, name: str, m: dict, args) -> None:
             )
             + (
                 f"; beside the calls {m['beside_ms_per_step']:.2f} ms/step, outlasting "
-                f"{m['beside_overran_calls']} calls; admitted beside a call "
+                f"{m['beside_overran_calls']} calls, {m['before_next_ms_per_call_ahead']:.2f} ms "
+                f"before the next call's dispatch; admitted beside a call "
                 f"{m['admitted_beside_a_call']} of {m['admissions']}, slot commits the device "
                 f"waited for {m['planning_commits']}"
                 if "beside_ms_per_step" in m
