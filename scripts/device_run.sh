@@ -167,7 +167,7 @@ for s in $STAGES; do
       timeout -k 10 ${SERVE_TIMEOUT:-420} python3 bench/serve.py --model ${SERVE_MODEL:-llama-3-8b} \
         --dtype bfloat16 --slots ${SERVE_SLOTS:-64} --max-len ${SERVE_MAX_LEN:-32768} \
         --requests ${SERVE_REQUESTS:-200} --rates ${SERVE_RATES:-inf} \
-        --engines ${SERVE_ENGINES:-jax_kv,dense,static} --dense-slots ${SERVE_DENSE_SLOTS:-24} \
+        --engines ${SERVE_ENGINES:-jax_kv,dense,static} --dense-slots ${SERVE_DENSE_SLOTS:-0} \
         --static-requests ${SERVE_STATIC:-64} --out "$OUT" ${SERVE_ARGS:-} 2>&1 \
         | grep -v -E "^\s*$|WARNING|gpu_hlo_schedule|rematerialization" | tee "$OUT/serve.log" | tail -30 ;;
     engine-step)
