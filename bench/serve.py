@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -195,7 +196,11 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None,
         order = np.argsort(arrivals, kind="stable")
         reqs: list = [None] * n
         times: list[list[float]] = [[] for _ in range(n)]
-        live: set[int] = set()
+        # The requests whose tokens or ending arrived in a step, named by a listener each
+        # (engine.Request.add_listener; as a server's wake-up, inside the step's delivery):
+        # polling every request not yet done instead cost ~0.8 ms a step with 1,000 waiting
+        # on this CPU, which the engine's steps, not the dense engine's, paid.
+        touched: set[int] = set()
         held, committed, live_kv, floors, roofline = [], [], [], [], []
         cached_only: list[int] = []  # prefix blocks no slot maps (evicted when memory is short)
         # Issue 23's bound on the shared-prefix workload, per step: one copy of each group's
@@ -220,7 +225,7 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None,
             while nxt < n and arrivals[order[nxt]] <= now:
                 i = int(order[nxt])
                 reqs[i] = eng.submit(wl.prompts[i], wl.news[i], stop_token_ids=[])
-                live.add(i)
+                reqs[i].add_listener(functools.partial(touched.add, i))
                 nxt += 1
             if not eng.has_work():
                 time.sleep(max(0.0, min(0.01, arrivals[order[nxt]] - now)))
@@ -233,11 +238,10 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None,
             if profiler is not None:
                 profiler.disable()
             t = time.perf_counter() - t0
-            for i in list(live):
+            for i in touched:
                 k = reqs[i].streamed
                 times[i].extend([t] * (k - len(times[i])))
-                if reqs[i].done:
-                    live.discard(i)
+            touched.clear()
             rec = eng.last_step
             in_use = eng.num_running
             held.append(cache.held_bytes)
