@@ -1346,18 +1346,26 @@ class Engine:
         calls[bucket] = calls.get(bucket, 0) + 1
 
     def _advance(self, rows: list[_Seq], sampled: np.ndarray, status: np.ndarray) -> None:
-        """The decoding rows' tokens of a call reach their requests."""
-        for seq in rows:
-            b = seq.slot
-            assert b is not None
-            if status[b]:
-                self._fail_row(seq, int(status[b]), "decode")
-                continue
+        """The decoding rows' tokens of a call reach their requests. On the host's path once
+        per call (every running row at 0.5B's short steps): the rows' slots, statuses, tokens
+        and lengths are read and written as arrays, not per row."""
+        if not rows:
+            return
+        slots = np.fromiter((seq.slot for seq in rows), np.int64, len(rows))
+        if status[slots].any():
+            for seq in [s for s in rows if status[s.slot]]:
+                assert seq.slot is not None
+                self._fail_row(seq, int(status[seq.slot]), "decode")
+            ok = status[slots] == 0
+            rows, slots = [s for s, k in zip(rows, ok, strict=True) if k], slots[ok]
+        self.cache.lengths[slots] = np.fromiter((s.cached + 1 for s in rows), np.int32, len(rows))
+        bt = None if self.prefix is None else self.prefix.block_tokens
+        for seq, token in zip(rows, sampled[slots].tolist(), strict=True):
             seq.cached += 1
-            self.cache.lengths[b] = seq.cached
-            self._cache_blocks(seq)
-            self.stats.decode_tokens += 1
-            self._emit(seq, int(sampled[b]))
+            if bt is not None and seq.cached // bt > len(seq.blocks):
+                self._cache_blocks(seq)
+            self._emit(seq, token)
+        self.stats.decode_tokens += len(rows)
 
     def _call(
         self,
