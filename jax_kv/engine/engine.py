@@ -147,7 +147,7 @@ class EngineStats:
     commit_ahead_seconds: float = 0.0  # the commits ahead's time, inside the calls' time too
     beside_seconds: float = 0.0  # all the work done while calls ran (Engine._call)
     # Of it, the work before the next decode call was dispatched (the commits its rows need,
-    # its inputs, its dispatch): what the device waits for when the work beside outlasts a call.
+    # its inputs, its dispatch): the part that delays the next call (Engine._complete).
     before_next_seconds: float = 0.0
     # Calls whose tokens were ready before the work beside them ended: the device may have
     # waited for the host there (the work's excess over the call counts as the call's time).
@@ -1352,11 +1352,12 @@ class Engine:
         if not rows:
             return
         slots = np.fromiter((seq.slot for seq in rows), np.int64, len(rows))
-        if status[slots].any():
-            for seq in [s for s in rows if status[s.slot]]:
-                assert seq.slot is not None
-                self._fail_row(seq, int(status[seq.slot]), "decode")
-            ok = status[slots] == 0
+        codes = status[slots]
+        if codes.any():
+            for seq, code in zip(rows, codes.tolist(), strict=True):
+                if code:
+                    self._fail_row(seq, code, "decode")
+            ok = codes == 0
             rows, slots = [s for s, k in zip(rows, ok, strict=True) if k], slots[ok]
         self.cache.lengths[slots] = np.fromiter((s.cached + 1 for s in rows), np.int32, len(rows))
         bt = None if self.prefix is None else self.prefix.block_tokens

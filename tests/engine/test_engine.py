@@ -316,6 +316,41 @@ def test_a_failed_step_ends_every_request_with_its_error(model, rng, engine):
             eng.submit([1], 2)
 
 
+def test_a_row_the_attention_op_refuses_in_decode_ends_only_its_request(
+    model, generator, rng, engine
+):
+    """A decode call's status names a row the attention op refused (a nonzero code: its
+    output is NaN): that request ends with the error, the call's other rows advance, and
+    every other request's tokens are still its tokens generated alone."""
+    ps = prompts(rng, model, [8, 12, 10])
+    with engine(model, max_slots=3) as eng:
+        reqs = [eng.submit(p, 24, stop_token_ids=[]) for p in ps]
+        victim = reqs[1]
+        decode, calls = eng._decode, [0]
+
+        def refuse_on_the_fourth_call(*args, **kw):
+            logits, positions, caches, status = decode(*args, **kw)
+            calls[0] += 1
+            if calls[0] == 4:
+                b = next(s.slot for s in eng._slots if s is not None and s.request is victim)
+                status = status.at[b].set(1)
+            return logits, positions, caches, status
+
+        eng._decode = refuse_on_the_fourth_call
+        while eng.has_work():
+            eng.step()
+            eng.check_memory()
+        assert calls[0] > 4
+        c = victim.completion
+        assert c.finish_reason == FINISH_ERROR and 0 < len(c.tokens) < 24
+        with pytest.raises(RequestError, match="refused by the attention op"):
+            victim.result()
+        for p, r in ((ps[0], reqs[0]), (ps[2], reqs[2])):
+            assert r.result().finish_reason == FINISH_LENGTH
+            assert r.result().tokens == alone(generator, p, 24)
+        assert idle(eng.cache)
+
+
 @pytest.mark.parametrize(
     ("max_len", "chunk", "slots", "buckets"),
     [
