@@ -325,8 +325,8 @@ def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None,
             # commits and admissions), and the calls it outlasted (the device may have waited).
             beside_ms_per_step=(s.beside_seconds - s0.beside_seconds) * 1e3 / max(1, len(host)),
             beside_overran_calls=s.beside_overran - s0.beside_overran,
-            # Of that work, what came before the next decode call's dispatch (the device's wait
-            # when the work outlasts a call), per call dispatched ahead.
+            # Of that work, what came before the next decode call's dispatch (the part that
+            # delays that call; Engine._complete), per call dispatched ahead.
             before_next_ms_per_call_ahead=(s.before_next_seconds - s0.before_next_seconds)
             * 1e3
             / max(1, s.calls_ahead - s0.calls_ahead),
