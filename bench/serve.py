@@ -733,8 +733,9 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument(
         "--prefix-cache-gib", type=float, default=None,
-        help="cap the prefix cache's blocks that no running request maps (Engine("
-        "prefix_cache_bytes)); default: kept until admission needs the memory",
+        help="cap the prefix cache's blocks that no running request owns: those no request "
+        "maps and the shared ones running requests map (Engine(prefix_cache_bytes)); "
+        "default: kept until admission needs the memory",
     )  # fmt: skip
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument(

@@ -307,6 +307,14 @@ class SlotCache:
         return n * self.block_granules * self.bindings * self.granule
 
     @property
+    def store_bytes(self) -> int:
+        """Bytes of every block in the prefix store, all bindings, each once: those slots
+        wrote and own, those slots map (shared), and those no slot maps (cached_only_bytes).
+        What Engine(prefix_cache_bytes) caps."""
+        used = self.store_blocks - len(self._store_free)
+        return used * self.block_granules * self.bindings * self.granule
+
+    @property
     def live_unique_bytes(self) -> int:
         """KV bytes of the live tokens, all bindings, a token of a shared block once."""
         tokens = sum(self.own_tokens(b) for b in range(self.num_slots))

@@ -389,12 +389,17 @@ class Engine:
         prefix_cache: share the K/V of common prompt prefixes between requests (whole
             blocks of granules mapped into each slot, jax_kv.engine.prefix); needs a
             VmmArena; default: on where the arena is one.
-        prefix_cache_bytes: the most KV bytes the prefix cache may keep in blocks no running
-            request maps (finished requests' prompts and outputs), evicted when a request
-            ends in PrefixCache's order (partial blocks first, then least recently used);
-            default None: kept until admission needs the memory (as vLLM and SGLang keep
-            them). 0 keeps none: committed memory then follows the running requests alone,
-            and requests share only blocks that are running.
+        prefix_cache_bytes: the most KV bytes of blocks the prefix cache may hold: blocks no
+            running request maps (finished requests' prompts and outputs), blocks running
+            requests map from it (shared prefixes, held once) and the full blocks running
+            requests wrote. Blocks of the first kind are evicted (PrefixCache's order: partial
+            blocks first, then least recently used) until all fit, or none of the first kind
+            is left, whenever the store grows (a request's end, a block written). Committed
+            KV is then at most this + the running requests' granules outside full blocks +
+            the zero floor (so a cap of one copy of each shared prefix bounds it as issue 23
+            asks). Default None: kept until admission needs the memory (as vLLM and SGLang
+            keep them). 0 keeps none: committed memory then follows the running requests
+            alone, and requests share only blocks that are running.
         decode_ahead: dispatch the next decode call before reading this one's tokens, where
             the next call is decode only and its rows are known (Engine._dispatch_next): the
             device then runs call after call while the host reads, streams and plans one call
@@ -1028,6 +1033,7 @@ class Engine:
                 self._commit(b, start + n)
             except ArenaExhausted:
                 self.cache.release_slot(b)  # the mapped prefix too
+                self._trim_prefix()  # its hits, unmapped, are evictable again
                 break  # FIFO: the head waits for memory, and so does everyone behind it
             with self._lock:
                 self._queue.popleft()
@@ -1075,6 +1081,7 @@ class Engine:
             return
         tokens = tuple(seq.tokens(k * bt, seq.cached))
         self.prefix.insert_partial(b, k, seq.blocks[-1] if seq.blocks else None, tokens)
+        self._trim_prefix()
 
     def _commit(self, b: int, tokens: int) -> int:
         """ensure_slot, evicting cached prefix blocks no slot maps before giving up; returns
@@ -1108,8 +1115,9 @@ class Engine:
             parent = seq.blocks[-1] if seq.blocks else None
             block = self.prefix.insert(seq.slot, k, parent, tokens)
             if block is None:
-                return  # the store is full of blocks in use
+                break  # the store is full of blocks in use
             seq.blocks.append(block)
+        self._trim_prefix()
 
     def _reserve(self, seq: _Seq, tokens: int) -> bool:
         """Commits what seq's slot needs for `tokens` tokens, evicting unused cached prefix
@@ -1195,13 +1203,13 @@ class Engine:
         return [s for s in rows if s.slot is not None and self._slots[s.slot] is s]
 
     def _trim_prefix(self) -> None:
-        """Evicts blocks no running request maps (PrefixCache's order) past
-        prefix_cache_bytes (a request's end makes the blocks it wrote such blocks)."""
+        """Evicts blocks no running request maps (PrefixCache's order) while the store's
+        blocks pass prefix_cache_bytes. Called where the store grows (_cache_blocks) and where
+        a request's end makes its blocks evictable."""
         if self.prefix is None or self.prefix_cache_bytes is None:
             return
-        excess = self.cache.cached_only_bytes - self.prefix_cache_bytes
-        if excess > 0:
-            self.prefix.evict_for(excess)
+        if self.cache.store_bytes > self.prefix_cache_bytes:
+            self.prefix.trim_to(self.prefix_cache_bytes, ended=self._retiring)
 
     def _plan_prefill(self) -> np.ndarray:
         """Commits this step's prefill pieces (the prefilling slots' next ones in admission
@@ -1705,9 +1713,10 @@ class Engine:
             self._slots[seq.slot] = None
             if defer:
                 # Cached now, so that a request continuing it (a chat's next turn) can map it
-                # from the next step on; only the unmaps wait for the next call.
-                self._cache_partial(seq)
+                # from the next step on; only the unmaps wait for the next call. Retiring
+                # first: under prefix_cache_bytes its blocks are evictable from here on.
                 self._retiring[seq.slot] = seq
+                self._cache_partial(seq)
             elif seq.slot in self._in_flight_slots():
                 # A call dispatched ahead still writes it (a row refused by the attention op
                 # on the call before): released after that call, with no block cached.

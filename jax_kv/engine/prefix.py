@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from jax_kv.cache import SlotCache
 
@@ -205,6 +205,21 @@ class PrefixCache:
             if block is not None and block.partial and self._evictable(block):
                 self._drop(block)
                 dropped += 1
+        return dropped
+
+    def trim_to(self, nbytes: int, ended: Collection[int] = ()) -> int:
+        """Evicts blocks no slot maps (in `_victim`'s order) until the store holds at most
+        `nbytes` (cache.store_bytes) or none is left to evict; returns how many. The blocks
+        of the `ended` slots (requests that ended, their slots not yet released) count as
+        no slot's: a partial block an ending request just cached goes before a full block
+        another request may share."""
+        owner, dropped = self.cache.store_owner, 0
+        while self.cache.store_bytes > nbytes:
+            victim = self._victim(lambda b: b.store not in owner or owner[b.store][0] in ended)
+            if victim is None:
+                break
+            self._drop(victim)
+            dropped += 1
         return dropped
 
     def evict_for(self, nbytes: int) -> int:

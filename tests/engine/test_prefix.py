@@ -192,29 +192,72 @@ def test_prefix_cache_bytes_caps_the_blocks_no_request_maps(model, generator, rn
         engine(model, arenas(), prefix_cache_bytes=-1)
 
 
-def test_partial_blocks_are_evicted_before_a_shared_prefix(model, generator, rng, arenas):
-    """Under the cap, the blocks requests ended in (partial) go before full blocks, even
-    more recently used ones: a system prompt (2 blocks) outlives two requests' tails and a
-    later request of its group hits both of its blocks. In plain LRU order the first tail
-    goes, then the prompt's second block (a leaf older than the other request's blocks)."""
+def test_prefix_cache_bytes_counts_the_shared_blocks_running_requests_map(
+    model, generator, rng, arenas
+):
+    """prefix_cache_bytes caps every block of the prefix store, the ones running requests map
+    from it and the full blocks they wrote included: while a request maps a cached prompt's 2
+    blocks (cap 2 blocks), another request's end leaves none of its blocks cached, so
+    committed KV stays within the cap + the running requests' granules outside full blocks +
+    the floor. (Counting only the blocks no request maps, as before, kept the ended request's
+    2 blocks beside the 2 mapped ones: 2x the cap.) The store passes the cap only with
+    nothing left to evict, at every step; tokens equal Generator's."""
     vocab = model.config.vocab_size
     block_bytes = BLOCK * 512 * 2 * model.config.num_layers
+    cap = 2 * block_bytes
+    system, other = ([int(t) for t in rng.integers(3, vocab, 2 * BLOCK + 4)] for _ in range(2))
+    follower = system[: 2 * BLOCK] + [int(t) for t in rng.integers(3, vocab, 6)]
+    with engine(model, arenas(), max_slots=2, prefix_cache_bytes=cap) as eng:
+
+        def step_and_check():
+            eng.step()
+            eng.check_memory()
+            c = eng.cache
+            assert c.store_bytes <= cap or c.cached_only_bytes == 0
+
+        first = eng.submit(system, 4, stop_token_ids=[])
+        while eng.has_work():
+            step_and_check()
+        assert eng.cache.cached_only_bytes == cap  # its 2 full blocks; its partial evicted
+        hits = eng.prefix.stats.hit_tokens
+        long = eng.submit(follower, 40, stop_token_ids=[])
+        short = eng.submit(other, 4, stop_token_ids=[])
+        while not short.done:
+            step_and_check()
+        assert eng.prefix.stats.hit_tokens - hits == 2 * BLOCK  # long maps system's blocks
+        assert not long.done
+        assert eng.cache.cached_only_bytes == 0  # short's blocks evicted: the cap is full
+        while eng.has_work():
+            step_and_check()
+    for p, n, r in zip((system, follower, other), (4, 40, 4), (first, long, short), strict=True):
+        assert r.result().tokens == generator.generate([p], n, stop_tokens=[]).tokens[0]
+
+
+def test_partial_blocks_are_evicted_before_a_shared_prefix(model, generator, rng, arenas):
+    """Under the cap (5 blocks, a running request's own full blocks counted), the blocks
+    requests ended in (partial) go before full blocks, even more recently used ones: a system
+    prompt (2 blocks) outlives two other requests' tails and a later request of its group hits
+    both of its blocks. In plain LRU order the first tail goes, then, when the third request
+    writes its block, the prompt's second block (a leaf older than the second request's)."""
+    vocab = model.config.vocab_size
+    block_bytes = BLOCK * 512 * 2 * model.config.num_layers
+    cap = 5 * block_bytes
     system = [int(t) for t in rng.integers(3, vocab, 2 * BLOCK)]
-    other = [int(t) for t in rng.integers(3, vocab, BLOCK + 4)]  # 1 block + a tail
+    others = [[int(t) for t in rng.integers(3, vocab, BLOCK + 4)] for _ in range(2)]  # 1 + a tail
     first, last = (system + [int(t) for t in rng.integers(3, vocab, 4)] for _ in range(2))
-    with engine(model, arenas(), max_slots=2, prefix_cache_bytes=3 * block_bytes) as eng:
+    with engine(model, arenas(), max_slots=2, prefix_cache_bytes=cap) as eng:
         reqs = []
-        for p in (first, other):
+        for p in (first, *others):
             reqs.append(eng.submit(p, 4, stop_token_ids=[]))
             eng.run_until_idle()
             eng.check_memory()
-            assert eng.cache.cached_only_bytes <= 3 * block_bytes
-        assert eng.prefix.stats.evicted_blocks > 0
+            assert eng.cache.store_bytes <= cap
+        assert eng.prefix.stats.evicted_blocks >= 2
         hits = eng.prefix.stats.hit_tokens
         reqs.append(eng.submit(last, 4, stop_token_ids=[]))
         eng.run_until_idle()
         assert eng.prefix.stats.hit_tokens - hits == 2 * BLOCK
-    for p, r in zip((first, other, last), reqs, strict=True):
+    for p, r in zip((first, *others, last), reqs, strict=True):
         assert r.result().tokens == generator.generate([p], 4, stop_tokens=[]).tokens[0]
 
 

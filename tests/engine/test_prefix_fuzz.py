@@ -140,6 +140,12 @@ def run_schedule(model, expect, rng):
             assert steps < 2000, "the schedule does not end"
             eng.check_memory()
             assert eng.cache.held_bytes <= budget, (eng.cache.held_bytes, budget)
+            if eng.prefix_cache_bytes is not None:  # the shared blocks running requests map count
+                c = eng.cache
+                assert c.store_bytes <= eng.prefix_cache_bytes or c.cached_only_bytes == 0, [
+                    (s, b.partial, bool(b.children), s in c.store_owner, c.store_refs[s])
+                    for s, b in eng.prefix.by_store.items()
+                ]
         assert not eng._retiring
         eng.check_memory()
         assert eng.cache.live_bytes == 0 and int(eng.cache.granules.sum()) == 0
