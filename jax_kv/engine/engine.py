@@ -393,13 +393,15 @@ class Engine:
             running request maps (finished requests' prompts and outputs), blocks running
             requests map from it (shared prefixes, held once) and the full blocks running
             requests wrote. Blocks of the first kind are evicted (PrefixCache's order: partial
-            blocks first, then least recently used) until all fit, or none of the first kind
-            is left, whenever the store grows (a request's end, a block written). Committed
-            KV is then at most this + the running requests' granules outside full blocks +
-            the zero floor (so a cap of one copy of each shared prefix bounds it as issue 23
-            asks). Default None: kept until admission needs the memory (as vLLM and SGLang
-            keep them). 0 keeps none: committed memory then follows the running requests
-            alone, and requests share only blocks that are running.
+            blocks first, then least recently used leaves) until all fit, or none of the first
+            kind is left, whenever the store grows or blocks become evictable (a block
+            written, a request's end or release). Committed KV is then at most the larger of
+            this and the blocks running requests map or wrote, + their granules outside the
+            store's blocks + the zero floor (so a cap of one copy of each shared prefix bounds
+            it as issue 23 asks, while the running requests' own blocks fit in it). Default
+            None: kept until admission needs the memory (as vLLM and SGLang keep them). 0
+            keeps none: committed memory then follows the running requests alone, and
+            requests share only blocks that are running.
         decode_ahead: dispatch the next decode call before reading this one's tokens, where
             the next call is decode only and its rows are known (Engine._dispatch_next): the
             device then runs call after call while the host reads, streams and plans one call
@@ -1081,7 +1083,6 @@ class Engine:
             return
         tokens = tuple(seq.tokens(k * bt, seq.cached))
         self.prefix.insert_partial(b, k, seq.blocks[-1] if seq.blocks else None, tokens)
-        self._trim_prefix()
 
     def _commit(self, b: int, tokens: int) -> int:
         """ensure_slot, evicting cached prefix blocks no slot maps before giving up; returns
@@ -1717,10 +1718,12 @@ class Engine:
                 # first: under prefix_cache_bytes its blocks are evictable from here on.
                 self._retiring[seq.slot] = seq
                 self._cache_partial(seq)
+                self._trim_prefix()  # its blocks are evictable now, partial or not
             elif seq.slot in self._in_flight_slots():
                 # A call dispatched ahead still writes it (a row refused by the attention op
                 # on the call before): released after that call, with no block cached.
                 self._retiring[seq.slot] = seq
+                self._trim_prefix()
             else:  # after an error the slot's bytes are not trusted: no block is cached
                 self._release(seq, keep_partial=reason != FINISH_ERROR)
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1

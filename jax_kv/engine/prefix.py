@@ -164,7 +164,7 @@ class PrefixCache:
 
     def _victim(self, also: Callable[[Block], bool]) -> Block | None:
         """The evictable block passing `also` to drop next: the least recently used partial
-        block, else the least recently used leaf, else the least recently used block.
+        block, else the least recently used leaf; never a block with children.
 
         A partial block costs a whole block's memory for fewer tokens and serves only the
         request that continues its writer exactly (a chat turn); a full block serves every
@@ -174,18 +174,21 @@ class PrefixCache:
         group's requests, and 10.7% of the prompts' tokens hit. The cost: under a cap that is
         reached, a chat's next turn prefills again the partial block its previous turn ended
         in (up to block_tokens - 1 tokens: 1,023 for Llama-3-8B, 8,191 for Qwen2.5-0.5B).
-        Among full blocks a leaf goes first: a chain's root is touched before its tail but is
+        Among full blocks only a leaf goes: a chain's root is touched before its tail but is
         worth more (every longer prefix needs it), and dropping a block drops every block
-        cached after it."""
-        leaf = fallback = None
+        cached after it. A block with children is not a victim: an evictable subtree has an
+        evictable leaf, and a block whose children fail `also` may have a running request's
+        own blocks below it (found in review: a request that found another's equal block
+        writes its next ones as that block's children), which dropping it would cut off from
+        every lookup while they still count in the store."""
+        leaf = None
         for block in self.by_store.values():
             if self._evictable(block) and also(block):
                 if block.partial:
                     return block
                 if leaf is None and not block.children:
                     leaf = block
-                fallback = fallback or block
-        return leaf or fallback
+        return leaf
 
     def _evict_one(self) -> bool:
         victim = self._victim(lambda b: True)

@@ -233,6 +233,50 @@ def test_prefix_cache_bytes_counts_the_shared_blocks_running_requests_map(
         assert r.result().tokens == generator.generate([p], n, stop_tokens=[]).tokens[0]
 
 
+def test_a_request_ending_on_a_block_boundary_is_trimmed_at_its_end(model, rng, arenas):
+    """A request that ends on a block boundary caches no partial block; its full block is
+    evictable from its end (its slot retiring), so prefix_cache_bytes=0 holds at that step,
+    not only once the slot is released (found in review)."""
+    prompt = [int(t) for t in rng.integers(3, model.config.vocab_size, BLOCK)]
+    with engine(model, arenas(), max_slots=2, prefix_cache_bytes=0) as eng:
+        req = eng.submit(prompt, 1, stop_token_ids=[])
+        eng.step()
+        assert req.done and eng._retiring  # ended, its slot not yet released
+        assert eng.cache.store_bytes == 0
+        eng.run_until_idle()
+        assert eng.cache.store_bytes == 0
+
+
+@pytest.mark.parametrize("cap_blocks", [0, 1])
+def test_a_cap_never_cuts_off_a_running_requests_blocks(model, rng, arenas, cap_blocks):
+    """Two requests prefill the same first block in one call: the first's is cached, the
+    second finds it equal and writes its next blocks as that block's children. When the
+    first ends, its block is evictable but has the running request's blocks below it: the
+    cap must not drop it (that cut the running request's blocks off from every lookup; at a
+    1-block cap the store emptied, found in review). A third request sharing the running
+    one's first 2 blocks hits both."""
+    vocab = model.config.vocab_size
+    shared = [int(t) for t in rng.integers(3, vocab, BLOCK)]
+    first = shared + [int(t) for t in rng.integers(3, vocab, 4)]
+    running = shared + [int(t) for t in rng.integers(3, vocab, BLOCK + 4)]
+    block_bytes = BLOCK * 512 * 2 * model.config.num_layers
+    with engine(model, arenas(), max_slots=3, prefix_cache_bytes=cap_blocks * block_bytes,
+                decode_ahead=False) as eng:  # fmt: skip
+        a = eng.submit(first, 2, stop_token_ids=[])
+        b = eng.submit(running, 40, stop_token_ids=[])
+        while not a.done or len(next(s for s in eng._active() if s.request is b).blocks) < 3:
+            eng.step()
+            eng.check_memory()
+        hits = eng.prefix.stats.hit_tokens
+        c = eng.submit(running[: 2 * BLOCK] + [int(t) for t in rng.integers(3, vocab, 5)], 2,
+                       stop_token_ids=[])  # fmt: skip
+        while not c.done:
+            eng.step()
+        assert not b.done
+        assert eng.prefix.stats.hit_tokens - hits == 2 * BLOCK
+        eng.run_until_idle()
+
+
 def test_partial_blocks_are_evicted_before_a_shared_prefix(model, generator, rng, arenas):
     """Under the cap (5 blocks, a running request's own full blocks counted), the blocks
     requests ended in (partial) go before full blocks, even more recently used ones: a system
