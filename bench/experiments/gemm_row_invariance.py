@@ -29,8 +29,7 @@ OPTION_SETS = {
     "no-triton-gemm": "--xla_gpu_enable_triton_gemm=false",
     "autotune-0": "--xla_gpu_autotune_level=0",
     "no-triton-autotune-0": "--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0",
-    "no-split-k": "--xla_gpu_enable_split_k_autotuning=false",
-}
+}  # --xla_gpu_enable_split_k_autotuning is gone from jaxlib 0.11's XLA (unknown flag)
 
 # (name, K, N): the model's projections, fused as the Engine runs them.
 SHAPES = [
@@ -63,9 +62,9 @@ def probe(ms: list[int]) -> dict:
         ref = np.asarray(dot(big[:ROWS], w)).view(np.uint16)
         row = {}
         for m in ms:
-            got = np.asarray(dot(big[:m], w)).view(np.uint16)[:ROWS]
             rows = min(m, ROWS)
-            row[str(m)] = int((got[:rows] != ref[:rows]).any(axis=1).sum())
+            got = np.asarray(dot(big[:m], w)).view(np.uint16)[:rows]
+            row[str(m)] = int((got != ref[:rows]).any(axis=1).sum())
         out["shapes"][name] = row
     return out
 
@@ -80,12 +79,12 @@ def main() -> None:
     if args.child:
         print(json.dumps(probe(ms)))
         return
-    on_gpu = "cuda" in subprocess.run(
+    backend = subprocess.run(
         [sys.executable, "-c", "import jax; print(jax.default_backend())"],
         capture_output=True,
         text=True,
-    ).stdout.replace("gpu", "cuda")
-    sets = OPTION_SETS if on_gpu else {"default": ""}
+    ).stdout.strip()
+    sets = OPTION_SETS if backend in ("gpu", "cuda") else {"default": ""}  # XLA GPU options
     results = {}
     for label, flags in sets.items():
         env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())

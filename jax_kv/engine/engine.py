@@ -1205,8 +1205,9 @@ class Engine:
 
     def _trim_prefix(self) -> None:
         """Evicts blocks no running request maps (PrefixCache's order) while the store's
-        blocks pass prefix_cache_bytes. Called where the store grows (_cache_blocks) and where
-        a request's end makes its blocks evictable."""
+        blocks pass prefix_cache_bytes. Called wherever the store grows (_cache_blocks, a
+        request's end) or blocks become evictable (an end, a release, an admission that gave
+        back the blocks it had mapped)."""
         if self.prefix is None or self.prefix_cache_bytes is None:
             return
         if self.cache.store_bytes > self.prefix_cache_bytes:
@@ -1718,14 +1719,13 @@ class Engine:
                 # first: under prefix_cache_bytes its blocks are evictable from here on.
                 self._retiring[seq.slot] = seq
                 self._cache_partial(seq)
-                self._trim_prefix()  # its blocks are evictable now, partial or not
             elif seq.slot in self._in_flight_slots():
                 # A call dispatched ahead still writes it (a row refused by the attention op
                 # on the call before): released after that call, with no block cached.
                 self._retiring[seq.slot] = seq
-                self._trim_prefix()
             else:  # after an error the slot's bytes are not trusted: no block is cached
                 self._release(seq, keep_partial=reason != FINISH_ERROR)
+            self._trim_prefix()  # its blocks are evictable now, partial or not
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         completion = Completion(
             request_id=seq.request.id,
