@@ -6,13 +6,18 @@ separates the causes, with Generator alone (one prompt, batch 1) as the referenc
 
 - engine x16: the 16-slot engine (rows batched, packed prefill in chunks);
 - engine x1: a 1-slot engine (the packed prefill and the engine's step, no batching);
+- engine x1 unsplit: the same with the Generator's prefill chunk (no prompt split);
 - generator x16: Generator on batches of 16 prompts (padded prefill, rows batched);
 
 in bf16 and in f32 (matmuls at "highest": no TF32). If the engine only reorders sums, f32
 agrees (near) everywhere and generator x16 parts from generator x1 about as often as the
 engine does in bf16.
 
-    JAX_KV_TEST_GGUF=/tmp/smollm2.gguf python3 bench/experiments/bf16_agreement.py [n_prompts]
+    JAX_KV_TEST_GGUF=/tmp/smollm2.gguf python3 bench/experiments/bf16_agreement.py [n_prompts] [bf16]
+
+XLA's options that make its GEMMs' rows independent of M (M >= 2; `gemm_row_invariance.py`)
+and its fusions round every op as the HLO says (`--xla_allow_excess_precision=false`) go in
+XLA_FLAGS: they separate XLA's program-dependent rounding from the attention kernels'.
 
 Without JAX_KV_TEST_GGUF it runs SmolLM2-135M's shape with seeded random weights on random
 prompts of 20-300 tokens (a random model's logits are flatter, so near-ties are commoner).
@@ -46,9 +51,9 @@ def arena():
     return None
 
 
-def engine_tokens(model, prompts, slots):
+def engine_tokens(model, prompts, slots, chunk=256):
     kw = {"arena": arena()} if jax.default_backend() == "gpu" else {}
-    with Engine(model, max_slots=slots, max_len=MAX_LEN, prefill_chunk_tokens=256, **kw) as eng:
+    with Engine(model, max_slots=slots, max_len=MAX_LEN, prefill_chunk_tokens=chunk, **kw) as eng:
         reqs = [eng.submit(p, N_NEW, stop_token_ids=[]) for p in prompts]
         eng.run_until_idle()
         return [r.result().tokens for r in reqs]
@@ -71,7 +76,10 @@ def main():
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 100
     path = os.environ.get("JAX_KV_TEST_GGUF")
     texts = CHAT_TEXTS[:n]
-    for dtype, precision in ((jnp.bfloat16, "default"), (jnp.float32, "highest")):
+    runs_of = ((jnp.bfloat16, "default"), (jnp.float32, "highest"))
+    if sys.argv[2:] == ["bf16"]:  # bf16 alone (f32 agreed in every run so far)
+        runs_of = runs_of[:1]
+    for dtype, precision in runs_of:
         jax.config.update("jax_default_matmul_precision", precision)
         if path:
             model = jm.load(path, dtype)
@@ -87,6 +95,8 @@ def main():
             "generator x1": generator_tokens(model, ps, 1),
             "generator x16": generator_tokens(model, ps, 16),
             "engine x1": engine_tokens(model, ps, 1),
+            # The Generator's prefill chunk (4,096): no prompt split, as in the Generator.
+            "engine x1 unsplit": engine_tokens(model, ps, 1, chunk=4096),
             "engine x16": engine_tokens(model, ps, 16),
         }
         ref = runs["generator x1"]
