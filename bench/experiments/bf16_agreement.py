@@ -13,7 +13,7 @@ in bf16 and in f32 (matmuls at "highest": no TF32). If the engine only reorders 
 agrees (near) everywhere and generator x16 parts from generator x1 about as often as the
 engine does in bf16.
 
-    JAX_KV_TEST_GGUF=/tmp/smollm2.gguf python3 bench/experiments/bf16_agreement.py [n_prompts] [bf16]
+    JAX_KV_TEST_GGUF=/tmp/smollm2.gguf python3 bench/experiments/bf16_agreement.py [n] [bf16]
 
 XLA's options that make its GEMMs' rows independent of M (M >= 2; `gemm_row_invariance.py`)
 and its fusions round every op as the HLO says (`--xla_allow_excess_precision=false`) go in
