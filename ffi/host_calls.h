@@ -6,6 +6,10 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <initializer_list>
+#include <utility>
 
 namespace jax_kv {
 
@@ -22,6 +26,18 @@ extern std::atomic<int64_t> g_host_calls[kNumHostCallTargets];
 
 inline void CountHostCall(HostCallTarget target) {
   g_host_calls[target].fetch_add(1, std::memory_order_relaxed);
+}
+
+// With JAX_KV_TRACE_OPERANDS set, a handler's host call prints its operands' device addresses on
+// one stderr line: XLA records a command buffer again when an address its commands use moves,
+// so two host calls' lines name the buffer that moved. Read once; unset, one branch per call.
+inline void TraceOperands(const char* target,
+                          std::initializer_list<std::pair<const char*, const void*>> operands) {
+  static const bool on = std::getenv("JAX_KV_TRACE_OPERANDS") != nullptr;
+  if (!on) return;
+  std::fprintf(stderr, "jax_kv operands %s:", target);
+  for (const auto& [name, address] : operands) std::fprintf(stderr, " %s=%p", name, address);
+  std::fprintf(stderr, "\n");
 }
 
 }  // namespace jax_kv
