@@ -69,6 +69,13 @@ def _commit_ahead(name: str, raw: str) -> int:
     return value
 
 
+def _flag(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value not in ("0", "1", "false", "true"):
+        raise ConfigError(f"{name}: expected 0 or 1, got {raw!r}")
+    return value in ("1", "true")
+
+
 def _pool_bytes(name: str, raw: str) -> int:
     if raw.strip() == "0":
         return 0
@@ -88,6 +95,8 @@ class RuntimeConfig:
         prefix at each growth (None: one min_bucket).
     pool_bytes: JAX_KV_POOL_BYTES, physical memory the VMM arena keeps created ahead of need
         (64 MiB); it is device memory in use, reported as pooled_bytes.
+    excess_precision: JAX_KV_EXCESS_PRECISION (0), whether XLA may skip the roundings of a
+        fusion's intermediate values in the steps jax_kv compiles (step_compiler_options).
     """
 
     min_bucket: int = 256
@@ -95,6 +104,7 @@ class RuntimeConfig:
     reserve_bytes: int | None = None
     commit_ahead: int | None = None
     pool_bytes: int = 64 << 20
+    excess_precision: bool = False
 
 
 # variable -> (field, parser). The one table both from_env and the freeze guard read, so the
@@ -105,6 +115,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "JAX_KV_RESERVE_BYTES": ("reserve_bytes", _parse_bytes),
     "JAX_KV_COMMIT_AHEAD": ("commit_ahead", _commit_ahead),
     "JAX_KV_POOL_BYTES": ("pool_bytes", _pool_bytes),
+    "JAX_KV_EXCESS_PRECISION": ("excess_precision", _flag),
 }
 
 # Variables jax_kv no longer reads, and why: set, they are refused by name rather than ignored.
@@ -160,6 +171,19 @@ def runtime_config() -> RuntimeConfig:
     return config
 
 
+def step_compiler_options() -> dict[str, Any]:
+    """XLA options of every step the Generator and the Engine compile (and their token
+    pickers). By default XLA may keep a fusion's intermediate values in float32 where the
+    program rounds them to bfloat16 (xla_allow_excess_precision), so one op rounds apart in two
+    programs that fuse it differently: the Engine's mixed prefill step against the Generator's
+    packed prefill, a bucketed decode step against a scanned one. Greedy bf16 tokens then part
+    between them far more often than batching alone explains: on the H100, a 1-slot Engine
+    equal to the Generator alone in 27 of 48 requests' first 32 tokens with it, 47 without
+    (bench/experiments/bf16_agreement.py, SmolLM2-135M shape, random weights; bench/NOTES.md).
+    JAX_KV_EXCESS_PRECISION=1 gives XLA that freedom back."""
+    return {"xla_allow_excess_precision": runtime_config().excess_precision}
+
+
 def variables() -> tuple[str, ...]:
     """Names of the JAX_KV_* variables the config reads."""
     return tuple(_VARIABLES)
@@ -171,5 +195,6 @@ __all__ = [
     "RuntimeConfig",
     "from_env",
     "runtime_config",
+    "step_compiler_options",
     "variables",
 ]

@@ -21,7 +21,7 @@ import numpy as np
 
 from jax_kv import _ffi
 from jax_kv.cache import KvCache, bucket_for
-from jax_kv.config import runtime_config
+from jax_kv.config import runtime_config, step_compiler_options
 from jax_kv.decode.protocol import DecoderModel
 from jax_kv.decode.sampling import GREEDY, Sampling, sample
 from jax_kv.layout import Layout
@@ -335,7 +335,11 @@ class Generator:
             rows, rows, shaped((batch,), jnp.bool_), rows, rows,
             jax.eval_shape(lambda: jax.random.key(0)),
         )  # fmt: skip
-        step = jax.jit(self._prefill_fn(key), donate_argnums=_DONATED["prefill"])
+        step = jax.jit(
+            self._prefill_fn(key),
+            donate_argnums=_DONATED["prefill"],
+            compiler_options=step_compiler_options(),
+        )
         return step.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
     def _decode_fn(self, key: StepKey) -> Callable[..., Any]:
@@ -399,7 +403,9 @@ class Generator:
             # graph holds stay the same from call to call and it is replayed, not re-recorded
             # (a fresh `lengths` buffer per step re-ran every attention handler's host code).
             # `committed` is not donated: it is the cache's, at a fixed address (KvCache).
-            step = jax.jit(counted, donate_argnums=_DONATED[key.kind])
+            step = jax.jit(
+                counted, donate_argnums=_DONATED[key.kind], compiler_options=step_compiler_options()
+            )
             t0 = time.perf_counter()
             step.lower(*args).compile()
             stats.compile_seconds += time.perf_counter() - t0

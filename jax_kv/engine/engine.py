@@ -56,6 +56,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_kv.cache import SlotCache, bucket_for
 from jax_kv.cache.kv_cache import default_arena
+from jax_kv.config import step_compiler_options
 from jax_kv.decode.generator import STATUS_CAUSES, StepStatusError, _check_int, stop_token_set
 from jax_kv.decode.protocol import DecoderModel
 from jax_kv.decode.sampling import GREEDY, GREEDY_BELOW, Sampling, argmax_rows, sample_rows
@@ -534,8 +535,13 @@ class Engine:
         # The caches are donated: XLA writes the arena's memory in place (SlotCache.writes_back:
         # the host driver's stand-in, which copies instead).
         donate = not self.cache.writes_back
-        self._prefill = jax.jit(self._prefill_fn(), donate_argnums=(3,) if donate else ())
-        self._decode = jax.jit(self._decode_fn(), donate_argnums=(2,) if donate else ())
+        options = step_compiler_options()
+        self._prefill = jax.jit(
+            self._prefill_fn(), donate_argnums=(3,) if donate else (), compiler_options=options
+        )
+        self._decode = jax.jit(
+            self._decode_fn(), donate_argnums=(2,) if donate else (), compiler_options=options
+        )
         # A call's tokens are picked from its logits by a second, small compiled function,
         # chosen on the host: argmax when every row of the call is greedy, the sampler
         # otherwise. Why not a lax.cond inside the step: outside a CUDA graph XLA runs a
@@ -548,8 +554,8 @@ class Engine:
         # are all dropped once the picker is queued: one still alive when the next call is
         # dispatched ahead would make that call's output land elsewhere, and XLA re-record
         # the commands that write it.
-        self._greedy = jax.jit(self._greedy_fn(), donate_argnums=(2,))
-        self._sampler = jax.jit(self._sampler_fn(), donate_argnums=(7,))
+        self._greedy = jax.jit(self._greedy_fn(), donate_argnums=(2,), compiler_options=options)
+        self._sampler = jax.jit(self._sampler_fn(), donate_argnums=(7,), compiler_options=options)
         # Per-slot sampling parameters, rewritten at admission.
         B = self.max_slots
         self._temperature = np.zeros((B,), np.float32)

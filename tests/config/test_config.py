@@ -36,9 +36,10 @@ def test_parses_each_variable():
         "JAX_KV_RESERVE_BYTES": "64G",
         "JAX_KV_COMMIT_AHEAD": "128",
         "JAX_KV_POOL_BYTES": "0",
+        "JAX_KV_EXCESS_PRECISION": "1",
     }
     assert set(env) == set(variables())
-    assert from_env(env) == RuntimeConfig(64, "eager", 64 << 30, 128, 0)
+    assert from_env(env) == RuntimeConfig(64, "eager", 64 << 30, 128, 0, True)
 
 
 @pytest.mark.parametrize(
@@ -50,6 +51,7 @@ def test_parses_each_variable():
         ("JAX_KV_RESERVE_BYTES", "-1"),
         ("JAX_KV_RESERVE_BYTES", "12X"),
         ("JAX_KV_COMMIT_AHEAD", "0"),
+        ("JAX_KV_EXCESS_PRECISION", "yes"),
     ],
 )
 def test_invalid_value_names_the_variable(name, raw):

@@ -39,6 +39,21 @@ CASES = {
         "print(c.commit_step, c.capacity, c.ensure_capacity(101).new_capacity)",
         "100 100 200",
     ),
+    "JAX_KV_EXCESS_PRECISION": (
+        "1",
+        # A bf16 product rounds to bf16 before its float32 use, as the program says, unless
+        # XLA may keep it in float32 (the steps' compile options): rows that differ from the
+        # per-op rounding.
+        "import jax, jax.numpy as jnp, numpy as np\n"
+        "from jax_kv.config import step_compiler_options\n"
+        "x = jnp.asarray(np.random.default_rng(0).standard_normal(256), jnp.float32)\n"
+        "f = lambda x: (x.astype(jnp.bfloat16) * jnp.bfloat16(3)).astype(jnp.float32) + 1\n"
+        "got = jax.jit(f, compiler_options=step_compiler_options())(x)\n"
+        "xb = np.asarray(x.astype(jnp.bfloat16)).astype(np.float32)\n"
+        "ref = np.asarray(jnp.asarray(xb * 3).astype(jnp.bfloat16)).astype(np.float32) + 1\n"
+        "print(bool((np.asarray(got) != ref).any()))",
+        "True",
+    ),
     "JAX_KV_POOL_BYTES": (
         "256K",
         "from jax_kv.memory import HostDriver, VmmArena\n"

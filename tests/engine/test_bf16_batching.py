@@ -82,3 +82,34 @@ def test_bf16_engine_with_all_prompts_at_once_equals_generator_on_the_batch(
     assert got == want
     # Batching moved these prompts' tokens; if it stops doing so, the prompts no longer test it.
     assert want != generator_alone
+
+
+def test_steps_compile_with_the_step_compiler_options(monkeypatch):
+    """Every step the Engine and the Generator compile (and the Engine's token pickers) takes
+    jax_kv.config.step_compiler_options(): with XLA free to skip a fusion's bf16 roundings,
+    the H100 gave a 1-slot Engine the Generator's tokens in 27 of 48 requests, 47 without
+    (bench/NOTES.md, fourteenth session)."""
+    from jax_kv.config import step_compiler_options
+
+    real, seen = jax.jit, {}
+
+    def jit(fun, **kwargs):
+        seen[fun.__qualname__] = kwargs.get("compiler_options")
+        return real(fun, **kwargs)
+
+    monkeypatch.setattr(jax, "jit", jit)
+    model = jm.random_model("tiny-llama", seed=0, dtype=jnp.float32)
+    with Engine(model, max_slots=2, max_len=64, prefill_chunk_tokens=16) as eng:
+        eng.submit([1, 2, 3], 2, stop_token_ids=[])
+        eng.run_until_idle()
+    Generator(model, max_len=64).generate([[1, 2, 3]], 2, stop_tokens=[])
+    steps = {
+        name: options
+        for name, options in seen.items()
+        if name.split(".<locals>")[0].split(".")[-1]
+        in ("_prefill_fn", "_decode_fn", "_greedy_fn", "_sampler_fn", "_call")
+    }
+    owners = {name.split(".<locals>")[0] for name in steps}
+    assert {"Engine._prefill_fn", "Engine._decode_fn", "Engine._greedy_fn", "Engine._sampler_fn",
+            "Generator._call"} <= owners, seen  # fmt: skip
+    assert all(options == step_compiler_options() for options in steps.values()), steps
