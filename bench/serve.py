@@ -175,12 +175,12 @@ def prefix_cache_bytes(args) -> int | None:
 
 
 def run_engine(model, wl: Workload, arrivals: np.ndarray, args, prefix=None,
-               decode_ahead: bool = True) -> dict:  # fmt: skip
+               decode_ahead: bool = True, decode_steps: int = 1) -> dict:  # fmt: skip
     eng = Engine(
         model, max_slots=args.slots, max_len=args.max_len,
         prefill_chunk_tokens=args.chunk, max_queue=len(wl.prompts) + 1, prefix_cache=prefix,
         arena=make_arena(args), prefix_cache_bytes=prefix_cache_bytes(args),
-        decode_ahead=decode_ahead,
+        decode_ahead=decode_ahead, decode_steps=decode_steps,
     )  # fmt: skip
     try:
         eng.warm_up()
@@ -407,6 +407,12 @@ def run_engine_serial(model, wl: Workload, arrivals: np.ndarray, args) -> dict:
     """The Engine with every call waiting for the host between calls (no decode call
     dispatched ahead): the comparator of Engine(decode_ahead), in the same run."""
     return run_engine(model, wl, arrivals, args, decode_ahead=False)
+
+
+def run_engine_steps(model, wl: Workload, arrivals: np.ndarray, args) -> dict:
+    """Engine(decode_steps=--decode-steps): that many tokens per decode-only call, in the same
+    run as jax_kv (one token per call)."""
+    return run_engine(model, wl, arrivals, args, decode_steps=args.decode_steps)
 
 
 # XLA's temporaries: an 8k prefill's fresh cache, its activations, cuDNN's work. 6 GiB was too
@@ -745,8 +751,12 @@ def main() -> None:
         "--engines",
         default=None,
         help="comma-separated of jax_kv, jax_kv-noprefix (the prefix cache off), jax_kv-serial "
-        "(no decode call dispatched ahead), dense, static (default: jax_kv,dense,static; "
-        "multi-turn: jax_kv,jax_kv-noprefix, the only two it runs)",
+        "(no decode call dispatched ahead), jax_kv-steps (Engine(decode_steps=--decode-steps)), "
+        "dense, static (default: jax_kv,dense,static; multi-turn: jax_kv,jax_kv-noprefix, the "
+        "only two it runs)",
+    )
+    ap.add_argument(
+        "--decode-steps", type=int, default=4, help="jax_kv-steps: tokens per decode-only call"
     )
     ap.add_argument("--prompt-median", type=int, default=300)
     ap.add_argument("--prompt-max", type=int, default=8192)
@@ -864,7 +874,8 @@ def main() -> None:
             if name == "static" and rate_name not in static_rates:
                 continue
             fn = {"jax_kv": run_engine, "jax_kv-noprefix": run_engine_no_prefix,
-                  "jax_kv-serial": run_engine_serial, "dense": run_dense,
+                  "jax_kv-serial": run_engine_serial, "jax_kv-steps": run_engine_steps,
+                  "dense": run_dense,
                   "static": run_static}[name]  # fmt: skip
             if name == "dense" and args.dense_process == "own":
                 row[name] = dense_rows[rate_name]

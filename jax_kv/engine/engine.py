@@ -342,7 +342,9 @@ class _Pending:
 
     rows: list[_Seq]  # its decoding rows
     counts: np.ndarray | None  # its prefill tokens per slot (None: a decode call)
-    out: jax.Array  # int32 [2, B]: the picked tokens, the attention ops' status per row
+    # int32 [2, B]: the picked tokens, the attention ops' status per row ([k + 1, B]: k steps'
+    # tokens, then the status, for a call of decode_steps = k > 1)
+    out: jax.Array
     t0: float  # when it was dispatched (time.perf_counter)
     bucket: int  # the rows its step computed (a decode bucket; max_slots for a prefill call)
 
@@ -417,6 +419,17 @@ class Engine:
             (jax_kv.models.llama.decode_step). Default None: on where max_slots >= 128
             (DECODE_ROW_BUCKETS_MIN_SLOTS) and the model's decode_step takes `rows`; off,
             the decode step runs every slot's row. True with a model that does not: ValueError.
+        decode_steps: tokens each decode-only call computes per row (>= 1): that many decode
+            steps in one compiled call, each row's token picked on the device and fed to its
+            next step, so the host's work per call (planning, the inputs' write, the
+            dispatch, streaming) is paid once per `decode_steps` tokens: the lever where the
+            host, not the device, sets the pace (small models). A row computes
+            min(decode_steps, tokens it may still generate) steps (idle after them); one that
+            ends on a stop token mid-call is computed to the call's end for nothing (its later
+            tokens dropped) and a request's tokens arrive `decode_steps` at a time. Prefill
+            calls (and the decoding rows they advance) stay one token. A decoding slot holds
+            memory for the call's tokens: up to decode_steps - 1 tokens more than its live
+            ones. Default 1.
     """
 
     def __init__(
@@ -436,6 +449,7 @@ class Engine:
         mesh: Any = None,
         decode_ahead: bool = True,
         decode_row_buckets: bool | None = None,
+        decode_steps: int = 1,
     ) -> None:
         if not isinstance(model, DecoderModel):
             raise ValueError(
@@ -460,6 +474,7 @@ class Engine:
         self.model = model
         self.mesh = mesh
         self.decode_ahead = bool(decode_ahead)
+        self.decode_steps = _check_int("decode_steps", decode_steps, 1)
         takes_rows = _decode_step_takes_rows(model)
         if decode_row_buckets is None:
             decode_row_buckets = takes_rows and self.max_slots >= DECODE_ROW_BUCKETS_MIN_SLOTS
@@ -556,6 +571,17 @@ class Engine:
         # the commands that write it.
         self._greedy = jax.jit(self._greedy_fn(), donate_argnums=(2,), compiler_options=options)
         self._sampler = jax.jit(self._sampler_fn(), donate_argnums=(7,), compiler_options=options)
+        # decode_steps > 1: the decode-only call is one program of decode_steps steps with its
+        # picker inside (argmax or the sampler, chosen on the host as above); it writes its
+        # last tokens into the donated `tokens` input.
+        self._decode_steps = {
+            sample: jax.jit(
+                self._decode_steps_fn(sample),
+                donate_argnums=(1, 2) if donate else (1,),
+                compiler_options=options,
+            )
+            for sample in (False, True)
+        }
         # Per-slot sampling parameters, rewritten at admission.
         B = self.max_slots
         self._temperature = np.zeros((B,), np.float32)
@@ -625,6 +651,8 @@ class Engine:
             fields[f"prefill_tokens_{n}"] = (n, np.int32)
         for n in self.decode_buckets()[:-1]:  # the last is max_slots: every row, no index
             fields[f"decode_rows_{n}"] = (n, np.int32)  # the slots it advances, then B
+        if self.decode_steps > 1:
+            fields["steps"] = (B, np.int32)  # steps each row computes in a decode call (0: idle)
         return fields
 
     def _prefill_fn(self) -> Any:
@@ -692,6 +720,48 @@ class Engine:
             picked = replicated(sample_rows(logits, keys, *params))
             tokens = _into(picked, tokens, rows)
             return tokens, replicated(jnp.stack([picked if rows is None else tokens, status]))
+
+        return run
+
+    def _decode_steps_fn(self, sample: bool) -> Any:
+        model, k = self.model, self.decode_steps
+        attention = self._attention["decode"]
+        replicated = self._replicated
+
+        def run(params, tokens, caches, lengths, committed, steps, temp, top_k, top_p, seeds,
+                rows=None):  # fmt: skip
+            # steps int32 [B]: the steps row b computes (0: idle); it is idle after them (its
+            # bound 0: no reads, no writes), its token then kept. -> (tokens' [B], int32
+            # [k + 1, B]: each step's tokens, as the picker's, then the status, caches).
+            self._traces["decode"] += 1
+            bucket = {} if rows is None else {"rows": rows}
+
+            def one(carry, i):
+                tokens, caches, lengths, status = carry
+                live = i < steps
+                logits, caches, latched = model.decode_step(
+                    params, tokens, caches, lengths, layout=Layout.SEQ_MAJOR,
+                    committed=jnp.where(live, committed, 0), **bucket, **attention,
+                )  # fmt: skip
+                if sample:  # the position of the token it samples: a request's key, per token
+                    keys = _row_keys(_gather(seeds, rows, 0), _gather(lengths + 1, rows, 0))
+                    params_ = (_gather(temp, rows, 0), _gather(top_k, rows, 0),
+                               _gather(top_p, rows, 1))  # fmt: skip
+                    picked = replicated(sample_rows(logits, keys, *params_))
+                else:
+                    picked = replicated(argmax_rows(logits))
+                new = _into(picked, tokens, rows)
+                tokens = jnp.where(live, new, tokens)
+                carry = (tokens, caches, lengths + live.astype(lengths.dtype),
+                         jnp.maximum(status, latched))  # fmt: skip
+                return carry, new
+
+            init = (tokens, caches, lengths, jnp.zeros_like(lengths))
+            (tokens, caches, _, status), picked = jax.lax.scan(
+                one, init, jnp.arange(k, dtype=jnp.int32)
+            )
+            out = jnp.concatenate([picked, status[None]])
+            return tokens, replicated(out), caches
 
         return run
 
@@ -930,13 +1000,13 @@ class Engine:
         # the smallest bucket; at max_len 2 none decodes): a call of idle rows each.
         for n in self.decode_buckets():
             for picker in ("argmax", "sampler"):
-                if {("decode", n), (picker, n)} <= self._ran:
+                if self._decode_programs(n, picker) <= self._ran:
                     continue
                 pause()
                 if not self.accepting:
                     raise EngineError("warm_up: the engine is shutting down or failed")
                 self.run_until_idle()  # a request submitted meanwhile (in-process server)
-                if not {("decode", n), (picker, n)} <= self._ran:
+                if not self._decode_programs(n, picker) <= self._ran:
                     self._run_decode([], bucket=n, sample=picker == "sampler")
 
     def run_until_idle(self, max_steps: int | None = None) -> None:
@@ -1259,7 +1329,8 @@ class Engine:
         for seq in decoding:
             if seq.slot is None:  # preempted for an older one
                 continue
-            if seq.cached + 1 <= backed[seq.slot] or self._reserve(seq, seq.cached + 1):
+            need = seq.cached + self._steps_of(seq)
+            if need <= backed[seq.slot] or self._reserve(seq, need):
                 rows.append(seq)
             else:
                 self._preempt(seq)  # the youngest: it waits for the older ones' memory
@@ -1328,7 +1399,12 @@ class Engine:
         computes the smallest decode bucket of rows that holds them, or `bucket` with the
         picker `sample` says (warm_up's calls of idle rows). Returns its seconds."""
         n = self._decode_bucket(len(rows)) if bucket is None else bucket
-        self._write_inputs(rows, **self._row_index(rows, n))
+        more = self._row_index(rows, n)
+        if self.decode_steps > 1:
+            more["steps"] = np.zeros((self.max_slots,), np.int32)
+            for seq in rows:
+                more["steps"][seq.slot] = self._steps_of(seq)
+        self._write_inputs(rows, **more)
         inputs = self._inputs
         sampled, status, seconds = self._call(
             "decode", inputs["tokens"], self._caches(), inputs["lengths"], inputs["bound"],
@@ -1375,6 +1451,9 @@ class Engine:
                     self._fail_row(seq, code, "decode")
             ok = codes == 0
             rows, slots = [s for s, k in zip(rows, ok, strict=True) if k], slots[ok]
+        if sampled.ndim == 2:  # a call of decode_steps tokens per row
+            self._advance_steps(rows, slots, sampled)
+            return
         self.cache.lengths[slots] = np.fromiter((s.cached + 1 for s in rows), np.int32, len(rows))
         bt = None if self.prefix is None else self.prefix.block_tokens
         for seq, token in zip(rows, sampled[slots].tolist(), strict=True):
@@ -1383,6 +1462,24 @@ class Engine:
                 self._cache_blocks(seq)
             self._emit(seq, token)
         self.stats.decode_tokens += len(rows)
+
+    def _advance_steps(self, rows: list[_Seq], slots: np.ndarray, sampled: np.ndarray) -> None:
+        """_advance of a call of decode_steps steps (sampled [k, B]): each row takes the
+        tokens of the steps it computed, until its request ends (a stop: its later tokens
+        were computed for nothing and are dropped)."""
+        bt = None if self.prefix is None else self.prefix.block_tokens
+        emitted = 0
+        for seq, b, tokens in zip(rows, slots.tolist(), sampled[:, slots].T.tolist(), strict=True):
+            for token in tokens[: self._steps_of(seq)]:
+                seq.cached += 1
+                self.cache.lengths[b] = seq.cached
+                if bt is not None and seq.cached // bt > len(seq.blocks):
+                    self._cache_blocks(seq)
+                self._emit(seq, token)
+                emitted += 1
+                if self._slots[b] is not seq:  # it ended on this token
+                    break
+        self.stats.decode_tokens += emitted
 
     def _call(
         self,
@@ -1412,8 +1509,10 @@ class Engine:
         into the `tokens` input; counts their compiles (jit's cache of each, _programs) and
         takes the caches. A decode call on a `bucket` below max_slots (its row index written)
         passes the step and the picker its row index; a prefill call computes every row."""
-        step = self._prefill if kind == "prefill" else self._decode
         bucket = self.max_slots if bucket is None else bucket
+        if kind == "decode" and self.decode_steps > 1:
+            return self._dispatch_steps(rows, bucket, sample)
+        step = self._prefill if kind == "prefill" else self._decode
         programs, pickers = _programs(step, self._traces[kind]), self._picker_programs()
         t0 = time.perf_counter()
         logits, positions, caches, status = step(self.params, *args, *self._row_index_arg(bucket))
@@ -1441,6 +1540,39 @@ class Engine:
         else:
             self.stats.decode_compiles += compiled
         return _Pending(rows, counts, out, t0, bucket)
+
+    def _dispatch_steps(self, rows: list[_Seq], bucket: int, sample: bool | None) -> _Pending:
+        """_dispatch of a decode call of decode_steps > 1 steps: one program, its picker
+        inside, on the inputs as written (the `steps` field too)."""
+        if sample is None:
+            sample = self._samples(rows, None)
+        step = self._decode_steps[sample]
+        programs = _programs(step, self._traces["decode"])
+        sampling = self._sampling_args()  # may write the inputs: before taking them
+        inputs = self._inputs
+        t0 = time.perf_counter()
+        tokens, out, caches = step(
+            self.params, inputs["tokens"], self._caches(), inputs["lengths"], inputs["bound"],
+            inputs["steps"], *sampling, *self._row_index_arg(bucket),
+        )  # fmt: skip
+        compiled = _programs(step, self._traces["decode"]) - programs
+        self._accept(caches, verify=bool(compiled))
+        self._inputs.replace("tokens", tokens)
+        self._ran.update(self._decode_programs(bucket, "sampler" if sample else "argmax"))
+        self.stats.decode_compiles += compiled
+        return _Pending(rows, None, out, t0, bucket)
+
+    def _decode_programs(self, bucket: int, picker: str) -> set[tuple[str, int]]:
+        """What a decode call on `bucket` rows with `picker` runs, as _ran names it: the
+        decode step and the picker (shared with a prefill call's on max_slots rows), or with
+        decode_steps > 1 the one program of both."""
+        if self.decode_steps > 1:
+            return {(f"decode_steps_{picker}", bucket)}
+        return {("decode", bucket), (picker, bucket)}
+
+    def _steps_of(self, seq: _Seq, done: int = 0) -> int:
+        """The tokens seq's next decode call computes, after `done` more of its tokens."""
+        return min(self.decode_steps, seq.max_new - len(seq.generated) - done)
 
     def _complete(self, call: _Pending) -> tuple[np.ndarray, np.ndarray, float]:
         """Waits for a dispatched call's tokens -> (tokens [B], status [B] on the host,
@@ -1476,7 +1608,8 @@ class Engine:
             t2 = time.perf_counter()
             self.stats.beside_seconds += t2 - t1
         self.stats.beside_overran += call.out.is_ready()
-        sampled, status = _host(call.out)
+        host = _host(call.out)  # [2, B], or [k + 1, B] for decode_steps = k > 1
+        sampled, status = (host[0] if len(host) == 2 else host[:-1]), host[-1]
         t3 = time.perf_counter()
         self.stats.wait_seconds += t3 - t2
         return sampled, status, t3 - start
@@ -1505,24 +1638,31 @@ class Engine:
                 return None  # prefilling: the next call is the prefill step
             if seq.slot not in in_call:
                 return None  # not one of the call's rows: the next planning decides
-            if len(seq.generated) + 1 >= seq.max_new:
-                continue  # call's token ends it by length
+            now = self._steps_of(seq)  # the tokens `call` computes for it
+            if len(seq.generated) + now >= seq.max_new:
+                continue  # call's tokens end it by length
             b = seq.slot
             assert b is not None
-            if seq.cached + 2 > backed[b]:
-                return None  # its next token needs memory: the next planning commits it
+            if seq.cached + now + self._steps_of(seq, now) > backed[b]:
+                return None  # its next tokens need memory: the next planning commits it
             rows.append(seq)
         if not rows:
             return None
         lengths = np.zeros((self.max_slots,), np.int32)
         bound = np.zeros((self.max_slots,), np.int32)
+        steps = np.zeros((self.max_slots,), np.int32)
         for seq in rows:
-            lengths[seq.slot] = seq.cached + 1
+            now = self._steps_of(seq)
+            lengths[seq.slot] = seq.cached + now
             bound[seq.slot] = backed[seq.slot]
+            steps[seq.slot] = self._steps_of(seq, now)
         n = self._decode_bucket(len(rows))
         assert n <= call.bucket, (n, call.bucket)
+        more = self._row_index(rows, n)
+        if self.decode_steps > 1:
+            more["steps"] = steps
         # `tokens`: call's picker writes them, at its rows' slots (these among them).
-        self._inputs.write(lengths=lengths, bound=bound, **self._row_index(rows, n))
+        self._inputs.write(lengths=lengths, bound=bound, **more)
         inputs = self._inputs
         args = (inputs["tokens"], self._caches(), inputs["lengths"], inputs["bound"])
         self.stats.calls_ahead += 1
@@ -1579,7 +1719,11 @@ class Engine:
         # (row, tokens in its slot after the call, tokens generated after the call): a
         # prompt's last piece samples the first token, a re-prefill's samples none. A row of
         # a call dispatched ahead whose request has ended since gets none.
-        nexts = [(seq, seq.cached + 1, len(seq.generated) + 1) for seq in self._running(rows)]
+        nexts = [
+            (seq, seq.cached + now, len(seq.generated) + now)
+            for seq in self._running(rows)
+            for now in (self._steps_of(seq),)
+        ]
         if counts is not None:
             for b in np.flatnonzero(counts):
                 seq = self._slots[b]
@@ -1590,8 +1734,10 @@ class Engine:
         t0 = time.perf_counter()
         try:
             for seq, written, generated in nexts:
-                b, need = seq.slot, written + 1
-                if need <= backed[b] or need > self.max_len or generated >= seq.max_new:
+                if generated >= seq.max_new:
+                    continue
+                b, need = seq.slot, written + min(self.decode_steps, seq.max_new - generated)
+                if need <= backed[b] or need > self.max_len:
                     continue
                 try:
                     committed = self._commit(b, need)
@@ -1645,7 +1791,8 @@ class Engine:
         want = None
         for r in self._active():
             b = r.slot
-            decoded = int(b in decoding) + int(b in ahead)
+            # At most decode_steps tokens a call (an over-count only delays an admission).
+            decoded = (int(b in decoding) + int(b in ahead)) * self.decode_steps
             new = int(counts[b]) if counts is not None and counts[b] else decoded
             # Only the call that writes the block's last token completes it. One complete
             # before the call and still not cached (the store was full of blocks in use) is
@@ -1835,13 +1982,16 @@ class Engine:
             * cache.token_bytes
             * cache.bindings
         )
-        limit = live + cache.floor_bytes(in_use) + cache.cached_only_bytes + ahead
+        # decode_steps = k > 1: a decoding slot holds its call's tokens, up to k - 1 past the
+        # granule its live ones reach.
+        steps = (self.decode_steps - 1) * cache.token_bytes * cache.bindings * in_use
+        limit = live + cache.floor_bytes(in_use) + cache.cached_only_bytes + ahead + steps
         if cache.held_bytes > limit:
             raise AssertionError(
                 f"KV memory: {cache.held_bytes} bytes held > live {live} + "
                 f"{cache.floor_bytes(in_use)} (one granule per binding and slot in use) + "
                 f"{cache.cached_only_bytes} (prefix blocks no slot maps) + {ahead} (the next "
-                f"call's prefill tokens, committed beside the last call)"
+                f"call's prefill tokens, committed beside the last call) + {steps} (decode_steps)"
             )
         if cache.is_vmm and cache.committed_bytes != cache.held_bytes:
             raise AssertionError(
