@@ -757,8 +757,10 @@ class Engine:
                 return carry, new
 
             init = (tokens, caches, lengths, jnp.zeros_like(lengths))
+            # Unrolled: straight-line steps that XLA records as one CUDA graph; a loop would
+            # be a while command (or, outside a graph, one host launch per iteration).
             (tokens, caches, _, status), picked = jax.lax.scan(
-                one, init, jnp.arange(k, dtype=jnp.int32)
+                one, init, jnp.arange(k, dtype=jnp.int32), unroll=True
             )
             out = jnp.concatenate([picked, status[None]])
             return tokens, replicated(out), caches
