@@ -1721,10 +1721,11 @@ class Engine:
         # (row, tokens in its slot after the call, tokens generated after the call): a
         # prompt's last piece samples the first token, a re-prefill's samples none. A row of
         # a call dispatched ahead whose request has ended since gets none.
+        # A decoding row of a prefill call advances one token; of a decode call, its steps.
         nexts = [
             (seq, seq.cached + now, len(seq.generated) + now)
             for seq in self._running(rows)
-            for now in (self._steps_of(seq),)
+            for now in (1 if counts is not None else self._steps_of(seq),)
         ]
         if counts is not None:
             for b in np.flatnonzero(counts):
@@ -1793,8 +1794,10 @@ class Engine:
         want = None
         for r in self._active():
             b = r.slot
-            # At most decode_steps tokens a call (an over-count only delays an admission).
-            decoded = (int(b in decoding) + int(b in ahead)) * self.decode_steps
+            # A decode call's rows advance at most decode_steps tokens (an over-count only
+            # delays an admission), a prefill call's decoding rows one.
+            k = self.decode_steps
+            decoded = int(b in decoding) * (1 if counts is not None else k) + int(b in ahead) * k
             new = int(counts[b]) if counts is not None and counts[b] else decoded
             # Only the call that writes the block's last token completes it. One complete
             # before the call and still not cached (the store was full of blocks in use) is
