@@ -51,12 +51,16 @@ static ffi::Error GqaDecodeDispatch(
     int32_t layout, float scale, float softcap, int32_t window, int32_t kernel, int32_t cta_shape,
     int32_t split_counters) {
   CountHostCall(kHostCallDecode);
-  TraceOperands("decode",
-                {{"q", q.untyped_data()}, {"k", k.untyped_data()}, {"v", v.untyped_data()},
-                 {"k_cache", k_cache->untyped_data()}, {"v_cache", v_cache->untyped_data()},
-                 {"lengths", lengths.typed_data()}, {"committed", committed.typed_data()},
-                 {"out", out->untyped_data()}, {"status", status->typed_data()},
-                 {"workspace", workspace->typed_data()}});
+  TraceOperands("decode", {{"q", q.untyped_data()},
+                           {"k", k.untyped_data()},
+                           {"v", v.untyped_data()},
+                           {"k_cache", k_cache->untyped_data()},
+                           {"v_cache", v_cache->untyped_data()},
+                           {"lengths", lengths.typed_data()},
+                           {"committed", committed.typed_data()},
+                           {"out", out->untyped_data()},
+                           {"status", status->typed_data()},
+                           {"workspace", workspace->typed_data()}});
   JKV_DISPATCH_DTYPE(q.element_type(), GqaDecodeImpl, stream, q, k, v, *k_cache, *v_cache, lengths,
                      committed, out, status, workspace, layout, scale, softcap, window, kernel,
                      cta_shape, split_counters);
