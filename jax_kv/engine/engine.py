@@ -104,14 +104,16 @@ class EngineStats:
     prefill_calls: int = 0  # calls of the prefill step (which also advance the decoding rows)
     mixed_calls: int = 0  # prefill calls that advanced decoding rows too
     # Compiles of the decode step: one per decode bucket (Engine.decode_buckets) for the
-    # engine's life; warm_up compiles them all.
+    # engine's life (decode_steps > 1: two, its program with argmax and with the sampler);
+    # warm_up compiles them all.
     decode_compiles: int = 0
     # Decode calls per decode bucket (the rows a call computed: the smallest bucket that holds
     # its decoding rows), bucket -> calls; its keys are the buckets used.
     decode_bucket_calls: dict[int, int] = dataclasses.field(default_factory=dict)
     # Compiles of the token pickers: two per decode bucket (argmax and the sampler of its
-    # rows; a prefill call's are the max_slots bucket's) for the engine's life; warm_up
-    # compiles them all.
+    # rows; a prefill call's are the max_slots bucket's) for the engine's life (decode_steps
+    # > 1: the prefill call's two, the decode call's are in its program); warm_up compiles
+    # them all.
     sampler_compiles: int = 0
     prefill_compiles: int = 0  # one per prefill bucket used
     prefill_buckets: list[int] = dataclasses.field(default_factory=list)
@@ -428,8 +430,10 @@ class Engine:
             ends on a stop token mid-call is computed to the call's end for nothing (its later
             tokens dropped) and a request's tokens arrive `decode_steps` at a time. Prefill
             calls (and the decoding rows they advance) stay one token. A decoding slot holds
-            memory for the call's tokens: up to decode_steps - 1 tokens more than its live
-            ones. Default 1.
+            memory for its calls' tokens before they are known: up to 2 * (decode_steps - 1)
+            tokens more than its live ones (the call running and the one after it, committed
+            beside it; a request that stops early in the call keeps them until its slot is
+            released). Default 1.
     """
 
     def __init__(
@@ -1987,9 +1991,11 @@ class Engine:
             * cache.token_bytes
             * cache.bindings
         )
-        # decode_steps = k > 1: a decoding slot holds its call's tokens, up to k - 1 past the
-        # granule its live ones reach.
-        steps = (self.decode_steps - 1) * cache.token_bytes * cache.bindings * in_use
+        # decode_steps = k > 1: a slot holds the tokens of the call running and of the one
+        # after it (committed beside it, before either's tokens are read), up to 2 (k - 1)
+        # past the granule its live ones reach; a request that stopped early in the call
+        # keeps them until its slot is released.
+        steps = 2 * (self.decode_steps - 1) * cache.token_bytes * cache.bindings * in_use
         limit = live + cache.floor_bytes(in_use) + cache.cached_only_bytes + ahead + steps
         if cache.held_bytes > limit:
             raise AssertionError(

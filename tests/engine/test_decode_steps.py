@@ -71,6 +71,32 @@ def test_a_stop_mid_call_ends_there_and_spares_the_others(model, rng, engine):  
     assert c.result().tokens == later_tokens
 
 
+def test_a_stop_early_in_a_call_keeps_memory_within_the_check(model):
+    """Review repro (16-token granules, k = 4): a 9-token prompt's request stops on its
+    second token, at the first step of a call whose rows start 9 tokens into a granule, after
+    the next call's tokens were committed beside it: the slot holds up to 2 (k - 1) tokens
+    past its live ones until it is released, which check_memory allows (k - 1 did not)."""
+    from jax_kv.memory import host_arena
+
+    prompt = list(range(3, 12))
+
+    def build(k):
+        arena = host_arena(reserve_bytes=1 << 30, granule=16 * token_bytes(model))
+        return Engine(model, arena=arena, max_slots=3, max_len=256, prefill_chunk_tokens=32,
+                      decode_steps=k)  # fmt: skip
+
+    with build(1) as eng:
+        req = eng.submit(prompt, 20, stop_token_ids=[])
+        eng.run_until_idle()
+        full = req.result().tokens
+    assert full[1] != full[0]
+    with build(4) as eng:
+        req = eng.submit(prompt, 20, stop_token_ids=[full[1]])
+        while eng.has_work():
+            step_checked(eng)
+        assert req.result().tokens == full[:2] and req.result().finish_reason == FINISH_STOP
+
+
 def test_sampled_tokens_do_not_depend_on_decode_steps(model, rng, engine):  # noqa: F811
     """A row's key is its request's seed and the token's position, so a sampled request's
     tokens are the same at k = 1 and k = 3 (the sampler runs inside the call at k > 1)."""
