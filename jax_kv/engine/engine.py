@@ -364,6 +364,16 @@ def _programs(fn: Any, traces: int) -> int:
     return size() if size is not None else traces
 
 
+def _sampled(logits: jax.Array, positions: jax.Array, temp: jax.Array, top_k: jax.Array,
+             top_p: jax.Array, seeds: jax.Array, rows: jax.Array | None) -> jax.Array:  # fmt: skip
+    """Each row's token sampled from logits [n, V] with its request's parameters [B] and a key
+    from its seed and `positions` [B] (the position of the token it samples); with `rows` the
+    logits are theirs and the parameters are gathered (a padding entry's: greedy)."""
+    keys = _row_keys(_gather(seeds, rows, 0), _gather(positions, rows, 0))
+    params = (_gather(temp, rows, 0), _gather(top_k, rows, 0), _gather(top_p, rows, 1))
+    return sample_rows(logits, keys, *params)
+
+
 def _row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
     """One key per row from its request's seed and the position of the token it samples:
     a request's tokens do not depend on which slot or step it ran in."""
@@ -584,7 +594,7 @@ class Engine:
                 donate_argnums=(1, 2) if donate else (1,),
                 compiler_options=options,
             )
-            for sample in (False, True)
+            for sample in ((False, True) if self.decode_steps > 1 else ())
         }
         # Per-slot sampling parameters, rewritten at admission.
         B = self.max_slots
@@ -719,9 +729,7 @@ class Engine:
             # positions int32 [B]: the position of the token each row samples (its key's).
             # With `rows` the logits are theirs [n, V]: each one's parameters are gathered
             # (a padding entry's: greedy, its token dropped).
-            keys = _row_keys(_gather(seeds, rows, 0), _gather(positions, rows, 0))
-            params = (_gather(temp, rows, 0), _gather(top_k, rows, 0), _gather(top_p, rows, 1))
-            picked = replicated(sample_rows(logits, keys, *params))
+            picked = replicated(_sampled(logits, positions, temp, top_k, top_p, seeds, rows))
             tokens = _into(picked, tokens, rows)
             return tokens, replicated(jnp.stack([picked if rows is None else tokens, status]))
 
@@ -747,11 +755,9 @@ class Engine:
                     params, tokens, caches, lengths, layout=Layout.SEQ_MAJOR,
                     committed=jnp.where(live, committed, 0), **bucket, **attention,
                 )  # fmt: skip
-                if sample:  # the position of the token it samples: a request's key, per token
-                    keys = _row_keys(_gather(seeds, rows, 0), _gather(lengths + 1, rows, 0))
-                    params_ = (_gather(temp, rows, 0), _gather(top_k, rows, 0),
-                               _gather(top_p, rows, 1))  # fmt: skip
-                    picked = replicated(sample_rows(logits, keys, *params_))
+                if sample:  # keyed by the position of the token it samples, as _sampler_fn
+                    picked = _sampled(logits, lengths + 1, temp, top_k, top_p, seeds, rows)
+                    picked = replicated(picked)
                 else:
                     picked = replicated(argmax_rows(logits))
                 new = _into(picked, tokens, rows)

@@ -99,17 +99,18 @@ def test_steps_compile_with_the_step_compiler_options(monkeypatch):
 
     monkeypatch.setattr(jax, "jit", jit)
     model = jm.random_model("tiny-llama", seed=0, dtype=jnp.float32)
-    with Engine(model, max_slots=2, max_len=64, prefill_chunk_tokens=16) as eng:
-        eng.submit([1, 2, 3], 2, stop_token_ids=[])
-        eng.run_until_idle()
+    for k in (1, 2):  # Engine(decode_steps=2): the decode call's own program
+        with Engine(model, max_slots=2, max_len=64, prefill_chunk_tokens=16, decode_steps=k) as eng:
+            eng.submit([1, 2, 3], 4, stop_token_ids=[])
+            eng.run_until_idle()
     Generator(model, max_len=64).generate([[1, 2, 3]], 2, stop_tokens=[])
     steps = {
         name: options
         for name, options in seen.items()
         if name.split(".<locals>")[0].split(".")[-1]
-        in ("_prefill_fn", "_decode_fn", "_greedy_fn", "_sampler_fn", "_call")
+        in ("_prefill_fn", "_decode_fn", "_greedy_fn", "_sampler_fn", "_decode_steps_fn", "_call")
     }
     owners = {name.split(".<locals>")[0] for name in steps}
     assert {"Engine._prefill_fn", "Engine._decode_fn", "Engine._greedy_fn", "Engine._sampler_fn",
-            "Generator._call"} <= owners, seen  # fmt: skip
+            "Engine._decode_steps_fn", "Generator._call"} <= owners, seen  # fmt: skip
     assert all(options == step_compiler_options() for options in steps.values()), steps
