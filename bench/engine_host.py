@@ -41,6 +41,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument(
+        "--decode-steps", type=int, default=1, help="Engine(decode_steps): tokens per decode call"
+    )
     ap.add_argument("--no-prefix", action="store_true", help="the prefix cache off")
     ap.add_argument(
         "--prefix-cache-bytes",
@@ -87,7 +90,8 @@ def main() -> None:
                        granule=(512 if args.qwen else 64) << 10)  # fmt: skip
     eng = Engine(model, max_slots=args.slots, max_len=32768, prefill_chunk_tokens=512,
                  arena=arena, prefix_cache=not args.no_prefix,
-                 prefix_cache_bytes=args.prefix_cache_bytes)  # fmt: skip
+                 prefix_cache_bytes=args.prefix_cache_bytes,
+                 decode_steps=args.decode_steps)  # fmt: skip
     print(f"engine built in {time.perf_counter() - t0:.2f} s", flush=True)
     rng = np.random.default_rng(0)
     B, n = eng.max_slots, args.requests
@@ -106,6 +110,13 @@ def main() -> None:
     # (the tokens input, the picked tokens and the status as one [2, B] array; a decode
     # bucket's row index, if any, ignored: the stub's tokens are every row's)
     eng._greedy = lambda tokens, status, field, *rows: (field, jnp.stack([tokens, status]))
+    k = args.decode_steps
+
+    def steps_stub(params, tokens, caches, *rest):  # Engine._decode_steps_fn's outputs
+        picked = jnp.asarray(rng.integers(3, 500, (k, B)).astype(np.int32))
+        return tokens, jnp.concatenate([picked, status[None]]), caches
+
+    eng._decode_steps = {False: steps_stub, True: steps_stub}
     eng._accept = lambda caches, verify: None  # nothing computed: nothing to write back
     if args.no_hand_over:
         eng.cache.hands_over_in_place = lambda b, tokens: False  # fresh granules: recommit
@@ -149,7 +160,8 @@ def main() -> None:
         f"(p50 {np.median(steps):.2f}, p99 {np.percentile(steps, 99):.2f}); decode-only steps "
         f"at >= 90% busy slots: {len(busy)}, "
         f"{np.median(busy) if len(busy) else float('nan'):.2f} ms median; the bench's reads "
-        f"{np.mean(read_s) * 1e3:.3f} ms/step"
+        f"{np.mean(read_s) * 1e3:.3f} ms/step; host {np.sum(steps) / outs.sum() * 1e3:.2f} us "
+        f"a token out (decode_steps {k})"
     )  # fmt: skip
     print(
         f"of which exposed {exposed:.2f} ms/step, beside the call {beside:.2f} ms/step; "
