@@ -1645,6 +1645,9 @@ class Engine:
         backed = self.cache.committed_tokens()
         in_call = self._in_flight_slots()  # call's rows: _complete set it in flight
         rows = []
+        lengths = np.zeros((self.max_slots,), np.int32)
+        bound = np.zeros((self.max_slots,), np.int32)
+        steps = np.zeros((self.max_slots,), np.int32)
         for seq in self._active():
             if seq.cached != seq.prefill_target or not seq.generated:
                 return None  # prefilling: the next call is the prefill step
@@ -1655,19 +1658,12 @@ class Engine:
                 continue  # call's tokens end it by length
             b = seq.slot
             assert b is not None
-            if seq.cached + now + self._steps_of(seq, now) > backed[b]:
+            lengths[b], bound[b], steps[b] = seq.cached + now, backed[b], self._steps_of(seq, now)
+            if lengths[b] + steps[b] > backed[b]:
                 return None  # its next tokens need memory: the next planning commits it
             rows.append(seq)
         if not rows:
             return None
-        lengths = np.zeros((self.max_slots,), np.int32)
-        bound = np.zeros((self.max_slots,), np.int32)
-        steps = np.zeros((self.max_slots,), np.int32)
-        for seq in rows:
-            now = self._steps_of(seq)
-            lengths[seq.slot] = seq.cached + now
-            bound[seq.slot] = backed[seq.slot]
-            steps[seq.slot] = self._steps_of(seq, now)
         n = self._decode_bucket(len(rows))
         assert n <= call.bucket, (n, call.bucket)
         more = self._row_index(rows, n)
