@@ -99,10 +99,13 @@ def main() -> None:
     status = jnp.zeros((B,), jnp.int32)
 
     def step_stub(caches_at):
-        def run(params, *step_args):  # (logits, positions [B], caches, status [B])
-            # The "logits" are the tokens themselves; the greedy picker passes them on.
+        def run(params, *step_args):  # (logits, status [B], caches, positions [B])
+            # The "logits" are the tokens themselves; the greedy picker passes them on. The
+            # decode step returns its status in its `status` input (the Engine's field, taken
+            # back), the 5th of its arguments after the params.
             sampled = jnp.asarray(rng.integers(3, 500, B).astype(np.int32))
-            return sampled, status, step_args[caches_at - 1], status
+            out_status = step_args[4] if caches_at == 2 else status
+            return sampled, out_status, step_args[caches_at - 1], status
 
         return run
 

@@ -118,7 +118,10 @@ def engine_decode(eng: Engine):
     the row index of a decode bucket below max_slots (none: every row)."""
 
     def call(params, tokens, caches, lengths, committed, *rows):
-        logits, _, caches, status = eng._decode(params, tokens, caches, lengths, committed, *rows)
+        logits, status, caches, _ = eng._decode(
+            params, tokens, caches, lengths, committed, eng._inputs["status"], *rows
+        )
+        eng._inputs.replace("status", status)  # returned in the donated input, as the Engine does
         return greedy(eng, logits, status, *rows), caches
 
     return call
@@ -233,7 +236,7 @@ def call_prefill(eng: Engine, name: str, holder: list, n: int) -> None:
     the last."""
     inputs = eng._inputs
     for _ in range(n):
-        logits, _, holder[0], status = eng._prefill(
+        logits, status, holder[0], _ = eng._prefill(
             eng.params, inputs[name], inputs["cu_seqlens"], holder[0], inputs["lengths"],
             eng.cache.committed, inputs["tokens"], inputs["bound"],
         )  # fmt: skip

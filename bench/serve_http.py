@@ -140,14 +140,17 @@ def stub_device(
     free_at = [0.0]  # when the simulated device finishes the calls dispatched so far
 
     def step_stub(caches_at: int, prefill: bool):
-        def run(params, *step_args):  # -> (logits, positions [B], caches, status [B])
+        def run(params, *step_args):  # -> (logits, status [B], caches, positions [B])
             spin = time.perf_counter() + dispatch_us * 1e-6
             while time.perf_counter() < spin:
                 pass
             busy = step_ms * 1e-3 + (token_us * 1e-6 * step_args[0].shape[0] if prefill else 0)
             free_at[0] = max(free_at[0], time.perf_counter()) + busy
             tokens = rng.integers(3, vocab, B).astype(np.int32)
-            return _Delayed(tokens, free_at[0]), status, step_args[caches_at - 1], status
+            # The decode step returns its status in its `status` input (donated; the field
+            # the Engine takes back), the 5th of its arguments after the params.
+            out_status = status if prefill else step_args[4]
+            return _Delayed(tokens, free_at[0]), out_status, step_args[caches_at - 1], status
 
         return run
 

@@ -568,9 +568,17 @@ class Engine:
         self._prefill = jax.jit(
             self._prefill_fn(), donate_argnums=(3,) if donate else (), compiler_options=options
         )
+        # The decode step also takes the `status` input donated and returns the step's status
+        # in it: a new status buffer per call would move the first layer's status operand
+        # (XLA places it in the step's output) whenever the last call's output is still alive,
+        # as it is with a call dispatched ahead, and XLA would run that layer's handler host
+        # code to update the recorded graph (measured on the H100, 23423a2).
+        # keep_unused: jit drops an argument the program does not read, and a dropped
+        # donation aliases nothing.
         self._decode = jax.jit(
-            self._decode_fn(), donate_argnums=(2,) if donate else (), compiler_options=options
-        )
+            self._decode_fn(), donate_argnums=(2, 5) if donate else (5,), keep_unused=True,
+            compiler_options=options,
+        )  # fmt: skip
         # A call's tokens are picked from its logits by a second, small compiled function,
         # chosen on the host: argmax when every row of the call is greedy, the sampler
         # otherwise. Why not a lax.cond inside the step: outside a CUDA graph XLA runs a
@@ -660,6 +668,7 @@ class Engine:
             "top_k": (B, np.int32),
             "top_p": (B, np.float32),
             "seeds": (B, np.uint32),
+            "status": (B, np.int32),  # the decode step's status out, in place (donated)
         }
         for n in self.prefill_buckets():
             fields[f"prefill_tokens_{n}"] = (n, np.int32)
@@ -687,7 +696,7 @@ class Engine:
             # The position of the token each row samples: after its piece, or its decode token.
             new = cu_seqlens[1:] - cu_seqlens[:-1]
             positions = lengths + jnp.where(new > 0, new, 1)
-            return logits, replicated(positions), caches, replicated(status)
+            return logits, replicated(status), caches, replicated(positions)
 
         return run
 
@@ -696,16 +705,20 @@ class Engine:
         attention = self._attention["decode"]
         replicated = self._replicated
 
-        def run(params, tokens, caches, lengths, committed, rows=None):
+        def run(params, tokens, caches, lengths, committed, status, rows=None):
             # rows int32 [n] (a decode bucket below max_slots): the slots the call advances,
             # then B (padding); its logits are theirs, [n, V]. None: every row's, [B, V].
+            # status int32 [B] (donated, its value unused): the buffer the step's status is
+            # returned in. It is the first [B] int32 output, so jit aliases it there and not
+            # to the positions after it.
+            del status
             self._traces["decode"] += 1
             bucket = {} if rows is None else {"rows": rows}
             logits, caches, status = model.decode_step(
                 params, tokens, caches, lengths, layout=Layout.SEQ_MAJOR, committed=committed,
                 **bucket, **attention,
             )  # fmt: skip
-            return logits, replicated(lengths + 1), caches, replicated(status)
+            return logits, replicated(status), caches, replicated(lengths + 1)
 
         return run
 
@@ -1527,9 +1540,13 @@ class Engine:
         step = self._prefill if kind == "prefill" else self._decode
         programs, pickers = _programs(step, self._traces[kind]), self._picker_programs()
         t0 = time.perf_counter()
-        logits, positions, caches, status = step(self.params, *args, *self._row_index_arg(bucket))
+        if kind == "decode":
+            args = (*args, self._inputs["status"])
+        logits, status, caches, positions = step(self.params, *args, *self._row_index_arg(bucket))
         compiled = _programs(step, self._traces[kind]) - programs
         self._accept(caches, verify=bool(compiled))  # the cache's arrays, whatever follows
+        if kind == "decode":
+            self._inputs.replace("status", status)
         if sample is None:
             sample = self._samples(rows, counts)
         if sample:

@@ -181,12 +181,12 @@ def test_a_row_refused_on_the_call_before_is_released_after_the_call_ahead(model
     real = eng._decode
     calls = [0]
 
-    def decode(params, tokens, caches, lengths, bound):
-        logits, positions, caches, status = real(params, tokens, caches, lengths, bound)
+    def decode(params, tokens, caches, lengths, bound, status):
+        logits, status, caches, positions = real(params, tokens, caches, lengths, bound, status)
         calls[0] += 1
         if calls[0] == 3:
             status = status.at[1].set(3)  # any nonzero status: the op refused the row
-        return logits, positions, caches, status
+        return logits, status, caches, positions
 
     eng._decode = decode
     released = []

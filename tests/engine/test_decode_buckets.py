@@ -267,7 +267,8 @@ def test_the_row_index_is_read_at_a_fixed_address(model, generator, rng):
 
         return run
 
-    eng._decode = recording("decode", eng._decode, 1)  # tokens, lengths, bound[, rows]
+    # tokens, lengths, bound, status (the step's status out, donated)[, rows]
+    eng._decode = recording("decode", eng._decode, 1)
     eng._greedy = recording("argmax", eng._greedy, 2)  # tokens[, rows]
     try:
         work = staggered(rng, model, 14)
@@ -276,7 +277,7 @@ def test_the_row_index_is_read_at_a_fixed_address(model, generator, rng):
         for (p, n), r in zip(work, reqs, strict=True):
             assert r.result().tokens == alone(generator, p, n)
         # The calls of buckets 1, 2 and 4 take a row index [n]; bucket 8's none.
-        assert {k[-1] for k in seen if k[0] == "decode" and len(k) == 5} == {(1,), (2,), (4,)}
+        assert {k[-1] for k in seen if k[0] == "decode" and len(k) == 6} == {(1,), (2,), (4,)}
         assert {k[-1] for k in seen if k[0] == "argmax" and len(k) == 3} == {(1,), (2,), (4,)}
         moved = {k: len(v) for k, v in seen.items() if len(v) != 1}
         assert not moved, f"inputs at new addresses (calls' pointer sets per key): {moved}"

@@ -329,12 +329,12 @@ def test_a_row_the_attention_op_refuses_in_decode_ends_only_its_request(
         decode, calls = eng._decode, [0]
 
         def refuse_on_the_fourth_call(*args, **kw):
-            logits, positions, caches, status = decode(*args, **kw)
+            logits, status, caches, positions = decode(*args, **kw)
             calls[0] += 1
             if calls[0] == 4:
                 b = next(s.slot for s in eng._slots if s is not None and s.request is victim)
                 status = status.at[b].set(1)
-            return logits, positions, caches, status
+            return logits, status, caches, positions
 
         eng._decode = refuse_on_the_fourth_call
         while eng.has_work():

@@ -34,7 +34,12 @@ def test_the_compiled_steps_and_pickers_hold_no_conditional(model):
         inputs, caches = eng._inputs, eng._caches()
         lowered = {
             "decode": eng._decode.lower(
-                eng.params, inputs["tokens"], caches, inputs["lengths"], inputs["bound"]
+                eng.params,
+                inputs["tokens"],
+                caches,
+                inputs["lengths"],
+                inputs["bound"],
+                inputs["status"],
             ),
             "prefill": eng._prefill.lower(
                 eng.params,
@@ -55,8 +60,9 @@ def test_the_compiled_steps_and_pickers_hold_no_conditional(model):
         lowered["sampler"] = eng._sampler.lower(logits, positions, *sampling, status, tokens)
         rows = inputs["decode_rows_2"]
         lowered["decode on 2 rows"] = eng._decode.lower(
-            eng.params, inputs["tokens"], caches, inputs["lengths"], inputs["bound"], rows
-        )
+            eng.params, inputs["tokens"], caches, inputs["lengths"], inputs["bound"],
+            inputs["status"], rows,
+        )  # fmt: skip
         lowered["argmax on 2 rows"] = eng._greedy.lower(logits[:2], status, tokens, rows)
         lowered["sampler on 2 rows"] = eng._sampler.lower(
             logits[:2], positions, *sampling, status, tokens, rows
