@@ -144,3 +144,41 @@ def test_cancels_are_looked_for_only_after_one(model, rng):
             assert sum(eng.stats.finished.values()) == 6
     finally:
         Request.cancel_requested = real
+
+
+@pytest.mark.parametrize("kind", ["host", "eager"])
+def test_a_request_submitted_while_calls_run_ahead_is_prefilled_by_the_next_call(
+    model, generator, rng, arena, kind
+):
+    """Two requests decode with calls dispatched ahead; a third, submitted between steps
+    while a slot is free, is admitted beside the call in flight before a decode call would be
+    dispatched after it: the next step's call prefills it, so its first token comes at the
+    second step, not the third (a call ahead would have run first). Tokens equal Generator
+    alone; the memory invariant holds after every step."""
+    eng = Engine(
+        model,
+        max_slots=3,
+        max_len=MAX_LEN,
+        prefill_chunk_tokens=32,
+        arena=arena if kind == "host" else EagerArena(),
+        granule_bytes=None if kind == "host" else BLOCK * 512,
+        prefix_cache=False,
+    )
+    with eng:
+        first, late = prompts(rng, model, 2, 10, 30), prompts(rng, model, 1, 5, 30)[0]
+        reqs = [eng.submit(p, 20, stop_token_ids=[]) for p in first]
+        while not (all(r.streamed for r in reqs) and eng._next is not None):
+            eng.step()
+            eng.check_memory()
+        ahead = eng.stats.calls_ahead
+        req = eng.submit(late, 6, stop_token_ids=[])
+        steps = 0
+        while not req.streamed:
+            eng.step()
+            eng.check_memory()
+            steps += 1
+        assert steps == 2, steps
+        assert eng.stats.calls_ahead == ahead  # none dispatched ahead of its prefill
+        drain(eng)
+        for p, r, n in zip([*first, late], [*reqs, req], [20, 20, 6], strict=True):
+            assert r.result().tokens == generator.generate([p], n, stop_tokens=[]).tokens[0]
