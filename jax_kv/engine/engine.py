@@ -1546,11 +1546,15 @@ class Engine:
         compiled = _programs(step, self._traces[kind]) - programs
         self._accept(caches, verify=bool(compiled))  # the cache's arrays, whatever follows
         if kind == "decode":
+            # Taken back at once: a write of the inputs (the sampler's parameters, below)
+            # passes every field donated, this one too, and returns each anew.
             self._inputs.replace("status", status)
         if sample is None:
             sample = self._samples(rows, counts)
         if sample:
             sampling = self._sampling_args()  # may write the inputs: before taking them
+            if kind == "decode":
+                status = self._inputs["status"]
             field, out = self._sampler(
                 logits, positions, *sampling, status, self._inputs["tokens"],
                 *self._row_index_arg(bucket),
@@ -1654,13 +1658,19 @@ class Engine:
         return sampled, status, t3 - start
 
     def _admits_now(self) -> bool:
-        """Whether _admit could take a queued request beside the call in flight: one is
-        waiting and a slot is free, or an ended request's is releasable (whether its memory
-        is there, _admit finds out)."""
+        """Whether _admit would take the queue's head beside the call in flight: it waits, a
+        slot is free (or an ended request's is releasable), and the arena has the memory of
+        its first piece without evicting (a prefix hit only needs less). Where it is not
+        that sure, the admission is tried after the call ahead is dispatched, as before: a
+        failed one (maps and commits given back) would otherwise delay that dispatch."""
         with self._lock:
             if not self._queue:
                 return False
-        return self._free_slot() is not None or bool(self._releasable())
+            head = self._queue[0]
+        if self._free_slot() is None and not self._releasable():
+            return False
+        first = min(head.prefill_target, self.prefill_chunk_tokens)
+        return self.cache.bytes_for(first) <= self.cache.available_bytes()
 
     def _dispatch_next(self, call: _Pending) -> _Pending | None:
         """Dispatches the decode call after `call` (in flight, its tokens not yet read) where

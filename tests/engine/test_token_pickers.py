@@ -141,3 +141,29 @@ def test_pieces_short_of_the_prompts_end_take_the_argmax(model, rng):
         assert len(req.result().tokens) == 3
     finally:
         eng.close()
+
+
+def test_a_write_of_the_inputs_between_a_decode_step_and_its_sampler(model):
+    """The decode step returns its status in a donated input (a StepInputs field); a write of
+    the inputs between the step and its picker (the sampler's parameters, when a row's
+    changed) donates that field too. The picker must read the field as the write returned it,
+    not the step's output: forced here before every call ahead, the sampled run completes and
+    equals the run without the forced writes."""
+    runs = []
+    for force in (False, True):
+        eng = small_engine(model, max_slots=2, prefix_cache=False)
+        real = eng._dispatch_next
+
+        def dispatch_next(call, eng=eng, real=real, force=force):
+            eng._sampling_dirty = eng._sampling_dirty or force  # as if a row's sampling changed
+            return real(call)
+
+        eng._dispatch_next = dispatch_next
+        try:
+            req = eng.submit([5, 6, 7, 8], 10, Sampling(0.8, seed=1), stop_token_ids=[])
+            eng.run_until_idle()
+            runs.append(req.result().tokens)
+            assert eng.stats.calls_ahead > 0
+        finally:
+            eng.close()
+    assert runs[0] == runs[1] and len(runs[0]) == 10
