@@ -149,8 +149,9 @@ class EngineStats:
     release_beside_step_seconds: float = 0.0  # inside the calls' time, not host_seconds
     commit_ahead_seconds: float = 0.0  # the commits ahead's time, inside the calls' time too
     beside_seconds: float = 0.0  # all the work done while calls ran (Engine._call)
-    # Of it, the work before the next decode call was dispatched (the commits its rows need,
-    # its inputs, its dispatch): the part that delays the next call (Engine._complete).
+    # Of it, the work before a decode call dispatched ahead (the commits its rows need, an
+    # admission tried first, its inputs, its dispatch), over the calls dispatched ahead only:
+    # the part that delays the next call (Engine._complete).
     before_next_seconds: float = 0.0
     # Calls whose tokens were ready before the work beside them ended: the device may have
     # waited for the host there (the work's excess over the call counts as the call's time).
@@ -1638,7 +1639,8 @@ class Engine:
                 if early:
                     self._plan_ahead(call.counts)
                 self._next = self._dispatch_next(call)
-                self.stats.before_next_seconds += time.perf_counter() - t1
+                if self._next is not None:  # the host's time before a call ahead's dispatch
+                    self.stats.before_next_seconds += time.perf_counter() - t1
                 # The rest leaves the next call's rows alone: they are some of `call`'s rows,
                 # which _in_flight still names.
                 self.stats.delivered_beside_call += self._deliver()  # the last call's tokens
