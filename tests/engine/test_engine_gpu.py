@@ -15,6 +15,7 @@ import pytest
 from chat_prompts import CHAT_TEXTS
 
 import jax_kv.models as jm
+from jax_kv.config import step_compiler_options
 from jax_kv.decode import Generator
 from jax_kv.engine import FINISH_CANCELLED, FINISH_LENGTH, Engine
 
@@ -400,6 +401,24 @@ def test_generator_under_a_one_device_mesh_keeps_its_step_and_tokens(model, rng)
     plain.close()
 
 
+@pytest.fixture
+def fixed_temporaries(monkeypatch):
+    """The Engine's steps compiled with XLA's temporaries in an allocation of their own
+    (`xla_gpu_temp_buffer_use_separate_color`), at one address across calls. In the default
+    allocator they move by 0x100 bytes whenever another call's buffers are still alive
+    (measured on an H100 and an H200, bench/NOTES.md, fourteenth and fifteenth sessions), and
+    XLA then updates the recorded graph, running the handlers whose operands moved: that is
+    XLA's allocator, which jax_kv does not set (the option doubled the 0.5B decode step). The
+    replay tests check what jax_kv controls: its per-step inputs and outputs keep their
+    addresses, so the graph replays once XLA's temporaries do."""
+    import jax_kv.engine.engine as engine_module
+
+    def options():
+        return {**step_compiler_options(), "xla_gpu_temp_buffer_use_separate_color": True}
+
+    monkeypatch.setattr(engine_module, "step_compiler_options", options)
+
+
 def assert_steps_replay(eng, steps, prefill_tokens, decode_rows, what):
     """Steps the engine `steps` times, each doing `prefill_tokens` and `decode_rows` of work,
     and asserts that after a few recordings (XLA records a graph over its first calls) the
@@ -428,7 +447,9 @@ def assert_steps_replay(eng, steps, prefill_tokens, decode_rows, what):
     [(4, False, True), (8, True, True), (8, True, False)],
     ids=["all-rows", "row-buckets", "row-buckets-serial"],
 )
-def test_decode_steps_replay_the_recorded_graph(model, rng, slots, buckets, ahead):
+def test_decode_steps_replay_the_recorded_graph(
+    model, rng, fixed_temporaries, slots, buckets, ahead
+):
     """The engine's decode step is one compiled program for its life; on the GPU it should also
     be one recorded CUDA graph, replayed without the FFI handlers' host code (as the Generator's
     is, tests/decode/test_generator_gpu.py). Its per-step inputs sit at fixed addresses
@@ -458,7 +479,7 @@ def test_decode_steps_replay_the_recorded_graph(model, rng, slots, buckets, ahea
         arena.close()
 
 
-def test_prefill_steps_replay_the_recorded_graph(model, rng):
+def test_prefill_steps_replay_the_recorded_graph(model, rng, fixed_temporaries):
     """A prompt prefilled in pieces of one bucket while other requests decode: each step is one
     call of the same compiled prefill step (the pieces and the decoding rows' tokens), whose
     graph should be replayed as the decode step's is."""
