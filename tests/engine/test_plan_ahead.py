@@ -36,14 +36,10 @@ def prompts(rng, model, n, lo, hi):
     return [[int(t) for t in rng.integers(3, vocab, int(rng.integers(lo, hi)))] for _ in range(n)]
 
 
-@pytest.mark.parametrize("kind", ["host", "eager"])
-def test_admissions_and_next_pieces_are_committed_beside_the_call(
-    model, generator, rng, arena, kind
-):
-    """12 requests through 3 slots, prompts of 20-90 tokens in 32-token chunks (several pieces
-    each): admissions happen while a call runs (at planning only where no call would run),
-    and the device waits for no commit but those admissions' (no piece's, no decode row's)."""
-    eng = Engine(
+def three_slots(model, arena, kind):
+    """3 slots, 32-token chunks, the prefix cache off; on the host driver's VmmArena
+    (`kind` "host") or the eager arena, 16 tokens to a granule either way."""
+    return Engine(
         model,
         max_slots=3,
         max_len=MAX_LEN,
@@ -52,6 +48,16 @@ def test_admissions_and_next_pieces_are_committed_beside_the_call(
         granule_bytes=None if kind == "host" else BLOCK * 512,
         prefix_cache=False,
     )
+
+
+@pytest.mark.parametrize("kind", ["host", "eager"])
+def test_admissions_and_next_pieces_are_committed_beside_the_call(
+    model, generator, rng, arena, kind
+):
+    """12 requests through 3 slots, prompts of 20-90 tokens in 32-token chunks (several pieces
+    each): admissions happen while a call runs (at planning only where no call would run),
+    and the device waits for no commit but those admissions' (no piece's, no decode row's)."""
+    eng = three_slots(model, arena, kind)
     with eng:
         work = [(p, int(rng.integers(2, 12))) for p in prompts(rng, model, 12, 20, 90)]
         reqs = [eng.submit(p, n, stop_token_ids=[]) for p, n in work]
@@ -155,15 +161,7 @@ def test_a_request_submitted_while_calls_run_ahead_is_prefilled_by_the_next_call
     dispatched after it: the next step's call prefills it, so its first token comes at the
     second step, not the third (a call ahead would have run first). Tokens equal Generator
     alone; the memory invariant holds after every step."""
-    eng = Engine(
-        model,
-        max_slots=3,
-        max_len=MAX_LEN,
-        prefill_chunk_tokens=32,
-        arena=arena if kind == "host" else EagerArena(),
-        granule_bytes=None if kind == "host" else BLOCK * 512,
-        prefix_cache=False,
-    )
+    eng = three_slots(model, arena, kind)
     with eng:
         first, late = prompts(rng, model, 2, 10, 30), prompts(rng, model, 1, 5, 30)[0]
         reqs = [eng.submit(p, 20, stop_token_ids=[]) for p in first]
