@@ -1632,9 +1632,11 @@ class Engine:
                 # A queued request that can go in now is admitted before the decode call
                 # ahead would be dispatched, and the next call prefills it instead: after
                 # the call ahead it would wait one more call for its first token (measured
-                # at ~4 calls of TTFT under arrivals, aefb305). The device loses nothing it
-                # did not lose before: the call after an admission is dispatched after the
-                # call before it returns either way (_dispatch_next), one call sooner here.
+                # at ~4 calls of TTFT under arrivals, aefb305). The call after an admission
+                # is dispatched after the call before it returns either way (_dispatch_next),
+                # one call sooner here; but two heads whose slots free on consecutive calls
+                # are now prefilled in two calls where they shared one (latency for batching;
+                # its tok/s cost on a GPU is not measured: bench/NOTES.md, fifteenth session).
                 early = self._admits_now()
                 if early:
                     self._plan_ahead(call.counts)
