@@ -1635,8 +1635,8 @@ class Engine:
                 # at ~4 calls of TTFT under arrivals, aefb305). The call after an admission
                 # is dispatched after the call before it returns either way (_dispatch_next),
                 # one call sooner here; but two heads whose slots free on consecutive calls
-                # are now prefilled in two calls where they shared one (latency for batching;
-                # its tok/s cost on a GPU is not measured: bench/NOTES.md, fifteenth session).
+                # would be prefilled in two calls where they shared one: so only while every
+                # queued request has a slot (_admits_now), not at saturation.
                 early = self._admits_now()
                 if early:
                     self._plan_ahead(call.counts)
@@ -1662,16 +1662,20 @@ class Engine:
         return sampled, status, t3 - start
 
     def _admits_now(self) -> bool:
-        """Whether _admit would take the queue's head beside the call in flight: it waits, a
-        slot is free (or an ended request's is releasable), and the arena has the memory of
-        its first piece without evicting (a prefix hit only needs less). Where it is not
-        that sure, the admission is tried after the call ahead is dispatched, as before: a
-        failed one (maps and commits given back) would otherwise delay that dispatch."""
+        """Whether the queue's head is admitted before the decode call ahead would be
+        dispatched (_complete): it waits, every queued request has a slot free (or an ended
+        request's, releasable), and the arena has the memory of the head's first piece
+        without evicting (a prefix hit only needs less). A longer queue is saturation, where
+        a request's TTFT is its wait in the queue and admissions made after the call ahead
+        share one prefill call (two slots freed on consecutive calls: one call, not two).
+        Where memory is short, the admission is tried after the call ahead too: a failed one
+        (maps and commits given back) would delay that dispatch."""
         with self._lock:
             if not self._queue:
                 return False
-            head = self._queue[0]
-        if self._free_slot() is None and not self._releasable():
+            head, waiting = self._queue[0], len(self._queue)
+        free = sum(seq is None and b not in self._retiring for b, seq in enumerate(self._slots))
+        if waiting > free + len(self._releasable()):
             return False
         first = min(head.prefill_target, self.prefill_chunk_tokens)
         return self.cache.bytes_for(first) <= self.cache.available_bytes()
