@@ -1547,15 +1547,15 @@ class Engine:
         compiled = _programs(step, self._traces[kind]) - programs
         self._accept(caches, verify=bool(compiled))  # the cache's arrays, whatever follows
         if kind == "decode":
-            # Taken back at once: a write of the inputs (the sampler's parameters, below)
-            # passes every field donated, this one too, and returns each anew.
+            # Taken back at once, and read back after the sampler's parameters' write below:
+            # a write passes every field donated, this one too, and returns each anew.
             self._inputs.replace("status", status)
         if sample is None:
             sample = self._samples(rows, counts)
+        sampling = self._sampling_args() if sample else ()  # may write the inputs: first
+        if kind == "decode":
+            status = self._inputs["status"]
         if sample:
-            sampling = self._sampling_args()  # may write the inputs: before taking them
-            if kind == "decode":
-                status = self._inputs["status"]
             field, out = self._sampler(
                 logits, positions, *sampling, status, self._inputs["tokens"],
                 *self._row_index_arg(bucket),
