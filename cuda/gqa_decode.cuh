@@ -34,11 +34,19 @@ enum class DecodeCtas : int32_t { kAuto = 0, kNarrow = 1, kWide = 2 };
 // path a call too large for the pool takes anyway).
 enum class SplitCounters : int32_t { kPool = 0, kWorkspace = 1 };
 
-// The choices one decode launch runs with, kernel resolved (kSimt or kMma).
+// The most splits of one row's positions (beyond it the partials' traffic outgrows the gain).
+constexpr int kDecodeMaxSplits = 256;
+
+// The choices one decode launch runs with, kernel resolved (kSimt or kMma). `splits`, the
+// `splits` attribute: 0 plans the split count from the grid's CTA count (so from the batch);
+// n > 0 plans n splits whatever the batch, with a CTA shape that does not follow the batch
+// either: a row's chunks, and so its summation order, are then a function of its length alone
+// (the batch-invariant mode, jax_kv.config's batch_invariant).
 struct DecodeOptions {
   DecodeKernel kernel;
   DecodeCtas ctas;
   SplitCounters counters;
+  int splits;
 };
 
 constexpr int kDecodeMaxGroup = 8;  // query heads per CTA; more take several head chunks
@@ -53,10 +61,11 @@ constexpr bool MmaDecodeTakes(int head_dim, int itemsize) {
   return itemsize == 2 && head_dim % 16 == 0 && head_dim <= 128;
 }
 
-// What is wrong with a call's (kernel, cta_shape, split_counters) attributes for this head dim and
-// item size, or "" when nothing is: each in range, and a forced mma only where mma takes the call.
+// What is wrong with a call's (kernel, cta_shape, split_counters, splits) attributes for this head
+// dim and item size, or "" when nothing is: each in range, and a forced mma only where mma takes
+// the call.
 inline std::string DecodeOptionsError(int32_t kernel, int32_t cta_shape, int32_t split_counters,
-                                      int head_dim, int itemsize) {
+                                      int32_t splits, int head_dim, int itemsize) {
   if (kernel < 0 || kernel > 2) {
     return "kernel: expected 0 (auto), 1 (simt) or 2 (mma), got " + std::to_string(kernel);
   }
@@ -67,6 +76,10 @@ inline std::string DecodeOptionsError(int32_t kernel, int32_t cta_shape, int32_t
     return "split_counters: expected 0 (pool) or 1 (workspace), got " +
            std::to_string(split_counters);
   }
+  if (splits < 0 || splits > kDecodeMaxSplits) {
+    return "splits: expected 0 (planned from the batch) to " + std::to_string(kDecodeMaxSplits) +
+           ", got " + std::to_string(splits);
+  }
   if (static_cast<DecodeKernel>(kernel) == DecodeKernel::kMma &&
       !MmaDecodeTakes(head_dim, itemsize)) {
     return "kernel: mma takes bf16/f16 at head dims 64, 80, 96 and 128, got itemsize " +
@@ -76,21 +89,23 @@ inline std::string DecodeOptionsError(int32_t kernel, int32_t cta_shape, int32_t
 }
 
 // The options of a call whose attributes DecodeOptionsError accepted: auto resolves to mma where
-// mma takes the call, to simt elsewhere.
+// mma takes the call, to simt elsewhere; the auto CTA shape to narrow where the splits are fixed
+// (auto picks wide CTAs for small grids, a choice of the batch).
 inline DecodeOptions MakeDecodeOptions(int32_t kernel, int32_t cta_shape, int32_t split_counters,
-                                       int head_dim, int itemsize) {
+                                       int32_t splits, int head_dim, int itemsize) {
   DecodeKernel k = static_cast<DecodeKernel>(kernel);
   if (k == DecodeKernel::kAuto) {
     k = MmaDecodeTakes(head_dim, itemsize) ? DecodeKernel::kMma : DecodeKernel::kSimt;
   }
-  return DecodeOptions{k, static_cast<DecodeCtas>(cta_shape),
-                       static_cast<SplitCounters>(split_counters)};
+  DecodeCtas ctas = static_cast<DecodeCtas>(cta_shape);
+  if (ctas == DecodeCtas::kAuto && splits > 0) ctas = DecodeCtas::kNarrow;
+  return DecodeOptions{k, ctas, static_cast<SplitCounters>(split_counters), splits};
 }
 
 // How a kernel cuts the attended positions: num_splits splits (before the workspace clamp) of
 // a chunk that is a multiple of chunk_multiple and at least min_chunk tokens. From the SM count
-// of the current device and the number of (b, KV head, head chunk) CTAs, never from the
-// capacity S: a max_len cache costs nothing.
+// of the current device and the number of (b, KV head, head chunk) CTAs (or the call's fixed
+// `splits`), never from the capacity S: a max_len cache costs nothing.
 struct GqaDecodePlan {
   int num_splits, chunk_multiple, min_chunk;
 };
@@ -119,9 +134,11 @@ cudaError_t LaunchGqaDecodeMma(const GqaParams<T>& p, const DecodeOptions& o, cu
 
 // Their split plans on the current device (sizeof(T) is what matters: bf16 and f16 plan alike).
 template <typename T, int HEAD_DIM>
-GqaDecodePlan GqaDecodeSimtPlan(int batch, int num_q_heads, int num_kv_heads, DecodeCtas ctas);
+GqaDecodePlan GqaDecodeSimtPlan(int batch, int num_q_heads, int num_kv_heads,
+                                const DecodeOptions& o);
 template <typename T, int HEAD_DIM>
-GqaDecodePlan GqaDecodeMmaPlan(int batch, int num_q_heads, int num_kv_heads, DecodeCtas ctas);
+GqaDecodePlan GqaDecodeMmaPlan(int batch, int num_q_heads, int num_kv_heads,
+                               const DecodeOptions& o);
 
 // The launch of a call with resolved options `o` (MakeDecodeOptions): the one place the kernel
 // is picked.
@@ -138,10 +155,10 @@ template <typename T, int HEAD_DIM>
 GqaDecodePlan PlanGqaDecode(int batch, int num_q_heads, int num_kv_heads, const DecodeOptions& o) {
   if constexpr (MmaDecodeTakes(HEAD_DIM, sizeof(T))) {
     if (o.kernel == DecodeKernel::kMma) {
-      return GqaDecodeMmaPlan<T, HEAD_DIM>(batch, num_q_heads, num_kv_heads, o.ctas);
+      return GqaDecodeMmaPlan<T, HEAD_DIM>(batch, num_q_heads, num_kv_heads, o);
     }
   }
-  return GqaDecodeSimtPlan<T, HEAD_DIM>(batch, num_q_heads, num_kv_heads, o.ctas);
+  return GqaDecodeSimtPlan<T, HEAD_DIM>(batch, num_q_heads, num_kv_heads, o);
 }
 
 namespace split_decode {

@@ -297,19 +297,20 @@ __global__ void __launch_bounds__(32 * WARPS, (MmaShape<T, HEAD_DIM, WARPS>::kMi
 }
 
 template <typename T, int HEAD_DIM, int WARPS>
-GqaDecodePlan PlanFor(int64_t ctas) {
+GqaDecodePlan PlanFor(int64_t ctas, int fixed_splits) {
   using Sh = MmaShape<T, HEAD_DIM, WARPS>;
-  return GqaDecodePlan{SplitsForCtas(ctas, CtasPerSm(Sh::kSmemBytes, Sh::kMinBlocks)), Sh::kCtaRows,
-                       MmaMinChunkRows<T, HEAD_DIM, WARPS>()};
+  return GqaDecodePlan{SplitsForCtas(ctas, CtasPerSm(Sh::kSmemBytes, Sh::kMinBlocks), fixed_splits),
+                       Sh::kCtaRows, MmaMinChunkRows<T, HEAD_DIM, WARPS>()};
 }
 
 template <typename T, int HEAD_DIM, int WARPS>
-cudaError_t LaunchInstance(const GqaParams<T>& p, int chunks, SplitCounters counters,
+cudaError_t LaunchInstance(const GqaParams<T>& p, int chunks, const DecodeOptions& o,
                            cudaStream_t stream) {
   using Sh = MmaShape<T, HEAD_DIM, WARPS>;
   const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * chunks;
   return LaunchSplitDecode<GqaDecodeMmaKernel<T, HEAD_DIM, WARPS>>(
-      p, chunks, Sh::kThreads, Sh::kSmemBytes, PlanFor<T, HEAD_DIM, WARPS>(ctas), counters, stream);
+      p, chunks, Sh::kThreads, Sh::kSmemBytes, PlanFor<T, HEAD_DIM, WARPS>(ctas, o.splits),
+      o.counters, stream);
 }
 
 }  // namespace
@@ -319,21 +320,21 @@ cudaError_t LaunchGqaDecodeMma(const GqaParams<T>& p, const DecodeOptions& o, cu
   if constexpr (MmaDecodeTakes(HEAD_DIM, sizeof(T))) {
     const int chunks = DecodeHeadChunks(p.num_q_heads / p.num_kv_heads);
     const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * chunks;
-    return UseWide(ctas, o.ctas)
-               ? LaunchInstance<T, HEAD_DIM, kWideWarps>(p, chunks, o.counters, stream)
-               : LaunchInstance<T, HEAD_DIM, kNarrowWarps>(p, chunks, o.counters, stream);
+    return UseWide(ctas, o.ctas) ? LaunchInstance<T, HEAD_DIM, kWideWarps>(p, chunks, o, stream)
+                                 : LaunchInstance<T, HEAD_DIM, kNarrowWarps>(p, chunks, o, stream);
   } else {
     return cudaErrorInvalidValue;  // LaunchGqaDecode never calls it here (MmaDecodeTakes)
   }
 }
 
 template <typename T, int HEAD_DIM>
-GqaDecodePlan GqaDecodeMmaPlan(int batch, int num_q_heads, int num_kv_heads, DecodeCtas shape) {
+GqaDecodePlan GqaDecodeMmaPlan(int batch, int num_q_heads, int num_kv_heads,
+                               const DecodeOptions& o) {
   if constexpr (MmaDecodeTakes(HEAD_DIM, sizeof(T))) {
     const int group = num_q_heads / std::max(1, num_kv_heads);
     const int64_t ctas = static_cast<int64_t>(batch) * num_kv_heads * DecodeHeadChunks(group);
-    return UseWide(ctas, shape) ? PlanFor<T, HEAD_DIM, kWideWarps>(ctas)
-                                : PlanFor<T, HEAD_DIM, kNarrowWarps>(ctas);
+    return UseWide(ctas, o.ctas) ? PlanFor<T, HEAD_DIM, kWideWarps>(ctas, o.splits)
+                                 : PlanFor<T, HEAD_DIM, kNarrowWarps>(ctas, o.splits);
   } else {
     return GqaDecodePlan{0, 0, 0};  // PlanGqaDecode never calls it here (MmaDecodeTakes)
   }
@@ -342,7 +343,7 @@ GqaDecodePlan GqaDecodeMmaPlan(int batch, int num_q_heads, int num_kv_heads, Dec
 #define JKV_DECODE_MMA_INSTANTIATE(D, T)                                                   \
   template cudaError_t LaunchGqaDecodeMma<T, D>(const GqaParams<T>&, const DecodeOptions&, \
                                                 cudaStream_t);                             \
-  template GqaDecodePlan GqaDecodeMmaPlan<T, D>(int, int, int, DecodeCtas);
+  template GqaDecodePlan GqaDecodeMmaPlan<T, D>(int, int, int, const DecodeOptions&);
 JKV_FOR_EACH_HEAD_DIM(JKV_DECODE_MMA_INSTANTIATE, bf16_t)
 JKV_FOR_EACH_HEAD_DIM(JKV_DECODE_MMA_INSTANTIATE, f16_t)
 #undef JKV_DECODE_MMA_INSTANTIATE

@@ -443,11 +443,11 @@ inline int GroupBucket(int group) { return group > kMaxGroup ? kMaxGroup : Pow2C
 
 // Split count and chunk granularity of one instantiation, without the workspace clamp.
 template <typename T, int HEAD_DIM, int GROUP, int WARPS>
-GqaDecodePlan PlanFor(int64_t ctas) {
+GqaDecodePlan PlanFor(int64_t ctas, int fixed_splits) {
   using Sh = SimtShape<T, HEAD_DIM, WARPS>;
   const int ctas_per_sm =
       CtasPerSm(SmemBytes<T, HEAD_DIM, GROUP, WARPS>(), MinBlocks<GROUP, WARPS>());
-  return GqaDecodePlan{SplitsForCtas(ctas, ctas_per_sm), Sh::kCtaRows,
+  return GqaDecodePlan{SplitsForCtas(ctas, ctas_per_sm, fixed_splits), Sh::kCtaRows,
                        MinChunkRows<T, HEAD_DIM, WARPS>()};
 }
 
@@ -477,23 +477,24 @@ template <typename T, int HEAD_DIM>
 struct Launch {
   const GqaParams<T>& p;
   int chunks;
-  SplitCounters counters;
+  const DecodeOptions& o;
   cudaStream_t stream;
   template <int GROUP, int WARPS>
   cudaError_t operator()() const {
     const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * chunks;
     return LaunchSplitDecode<GqaDecodeSimtKernel<T, HEAD_DIM, GROUP, WARPS>>(
         p, chunks, 32 * WARPS, SmemBytes<T, HEAD_DIM, GROUP, WARPS>(),
-        PlanFor<T, HEAD_DIM, GROUP, WARPS>(ctas), counters, stream);
+        PlanFor<T, HEAD_DIM, GROUP, WARPS>(ctas, o.splits), o.counters, stream);
   }
 };
 
 template <typename T, int HEAD_DIM>
 struct Plan {
   int64_t ctas;
+  int fixed_splits;
   template <int GROUP, int WARPS>
   GqaDecodePlan operator()() const {
-    return PlanFor<T, HEAD_DIM, GROUP, WARPS>(ctas);
+    return PlanFor<T, HEAD_DIM, GROUP, WARPS>(ctas, fixed_splits);
   }
 };
 
@@ -505,20 +506,21 @@ cudaError_t LaunchGqaDecodeSimt(const GqaParams<T>& p, const DecodeOptions& o,
   const int group = p.num_q_heads / p.num_kv_heads;
   const int chunks = DecodeHeadChunks(group);
   const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * chunks;
-  return WithShape(group, ctas, o.ctas, Launch<T, HEAD_DIM>{p, chunks, o.counters, stream});
+  return WithShape(group, ctas, o.ctas, Launch<T, HEAD_DIM>{p, chunks, o, stream});
 }
 
 template <typename T, int HEAD_DIM>
-GqaDecodePlan GqaDecodeSimtPlan(int batch, int num_q_heads, int num_kv_heads, DecodeCtas ctas) {
+GqaDecodePlan GqaDecodeSimtPlan(int batch, int num_q_heads, int num_kv_heads,
+                                const DecodeOptions& o) {
   const int group = num_q_heads / std::max(1, num_kv_heads);
   const int64_t n = static_cast<int64_t>(batch) * num_kv_heads * DecodeHeadChunks(group);
-  return WithShape(group, n, ctas, Plan<T, HEAD_DIM>{n});
+  return WithShape(group, n, o.ctas, Plan<T, HEAD_DIM>{n, o.splits});
 }
 
 // The explicit instantiations of one element type, for every supported head dim.
 #define JKV_DECODE_SIMT_INSTANTIATE(D, T)                                                   \
   template cudaError_t LaunchGqaDecodeSimt<T, D>(const GqaParams<T>&, const DecodeOptions&, \
                                                  cudaStream_t);                             \
-  template GqaDecodePlan GqaDecodeSimtPlan<T, D>(int, int, int, DecodeCtas);
+  template GqaDecodePlan GqaDecodeSimtPlan<T, D>(int, int, int, const DecodeOptions&);
 
 }  // namespace jax_kv

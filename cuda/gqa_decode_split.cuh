@@ -17,8 +17,8 @@ namespace jax_kv {
 namespace split_decode {
 
 constexpr int kMaxGroup = kDecodeMaxGroup;  // query heads per CTA
-constexpr int kMaxSplits = 256;             // beyond it the partials' traffic outgrows the gain
-constexpr int kMaxCtasPerSm = 4;            // the most CTAs per SM any instantiation keeps resident
+constexpr int kMaxSplits = kDecodeMaxSplits;
+constexpr int kMaxCtasPerSm = 4;  // the most CTAs per SM any instantiation keeps resident
 // Fewest K+V bytes a wide CTA's split covers: with a one-tile floor, Qwen2.5-0.5B at B=1 (~300
 // live, Hkv=2) ran 3 splits and a merge, 7.5 us a layer, a chain of ~8 dependent global round
 // trips (length, q, K/V, partials, fence, counter, partials again, out); a lone split skips the
@@ -224,7 +224,10 @@ inline int CtasPerSm(int smem_bytes, int max_by_registers) {
   return std::max(1, std::min(max_by_registers, CurrentDeviceCtasBySmem(smem_bytes)));
 }
 
-inline int SplitsForCtas(int64_t ctas, int ctas_per_sm) {
+// The split count of a plan: the call's fixed `splits` (DecodeOptions), else enough splits for
+// ctas_per_sm CTAs on every SM.
+inline int SplitsForCtas(int64_t ctas, int ctas_per_sm, int fixed_splits) {
+  if (fixed_splits > 0) return std::min(kMaxSplits, fixed_splits);
   const int64_t target = static_cast<int64_t>(ctas_per_sm) * CurrentDeviceSmCount();
   // floor, not ceil: a grid just over one wave would leave most SMs idle in its second wave.
   const int64_t s = target / std::max<int64_t>(1, ctas);

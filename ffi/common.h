@@ -289,7 +289,8 @@ inline ffi::Error FillGrowParams(ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> len
   JKV_GQA_COMMITTED_ARG JKV_GQA_RETS_ATTRS                                  \
       .Attr<int32_t>("kernel")         /* DecodeKernel: auto, simt, mma */  \
       .Attr<int32_t>("cta_shape")      /* DecodeCtas: auto, narrow, wide */ \
-      .Attr<int32_t>("split_counters") /* SplitCounters: pool, workspace */
+      .Attr<int32_t>("split_counters") /* SplitCounters: pool, workspace */ \
+      .Attr<int32_t>("splits")         /* 0: from the batch; n: n splits */
 // Both prefill forms bind this: new_tokens, the argument after lengths, is new_lengths [B]
 // (gqa_prefill) or cu_seqlens [B + 1] (gqa_prefill_packed); out is [B, T, Hq, D] or
 // [N, Hq, D].

@@ -20,17 +20,17 @@ static ffi::Error GqaDecodeImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
                                 ffi::Result<ffi::Buffer<ffi::S32>> status,
                                 ffi::Result<ffi::Buffer<ffi::F32>> workspace, int32_t layout,
                                 float scale, float softcap, int32_t window, int32_t kernel,
-                                int32_t cta_shape, int32_t split_counters) {
+                                int32_t cta_shape, int32_t split_counters, int32_t splits) {
   GqaParams<T> p;
   ffi::Error err = FillGqaParams<T>(q, k, v, k_cache, v_cache, lengths, NewTokens{}, committed, out,
                                     status, workspace, layout, scale, softcap, window, &p);
   if (err.failure()) return err;
   constexpr int kItemsize = sizeof(T);
   const std::string bad =
-      DecodeOptionsError(kernel, cta_shape, split_counters, p.head_dim, kItemsize);
+      DecodeOptionsError(kernel, cta_shape, split_counters, splits, p.head_dim, kItemsize);
   if (!bad.empty()) return InvalidArgument(bad);
   const DecodeOptions options =
-      MakeDecodeOptions(kernel, cta_shape, split_counters, p.head_dim, kItemsize);
+      MakeDecodeOptions(kernel, cta_shape, split_counters, splits, p.head_dim, kItemsize);
   // status is written by the kernel for every b (no memset node needed).
   cudaError_t e = cudaSuccess;
   JKV_DISPATCH_HEAD_DIM(p.head_dim, HEAD_DIM,
@@ -49,7 +49,7 @@ static ffi::Error GqaDecodeDispatch(
     ffi::Result<ffi::AnyBuffer> k_cache, ffi::Result<ffi::AnyBuffer> v_cache,
     ffi::Result<ffi::Buffer<ffi::S32>> status, ffi::Result<ffi::Buffer<ffi::F32>> workspace,
     int32_t layout, float scale, float softcap, int32_t window, int32_t kernel, int32_t cta_shape,
-    int32_t split_counters) {
+    int32_t split_counters, int32_t splits) {
   CountHostCall(kHostCallDecode);
   TraceOperands("decode", {{"q", q.untyped_data()},
                            {"k", k.untyped_data()},
@@ -63,7 +63,7 @@ static ffi::Error GqaDecodeDispatch(
                            {"workspace", workspace->typed_data()}});
   JKV_DISPATCH_DTYPE(q.element_type(), GqaDecodeImpl, stream, q, k, v, *k_cache, *v_cache, lengths,
                      committed, out, status, workspace, layout, scale, softcap, window, kernel,
-                     cta_shape, split_counters);
+                     cta_shape, split_counters, splits);
 }
 
 }  // namespace jax_kv

@@ -10,7 +10,8 @@ static ffi::Error GqaDecodeCpuDispatch(
     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> k_cache,
     ffi::Result<ffi::AnyBuffer> v_cache, ffi::Result<ffi::Buffer<ffi::S32>> status,
     ffi::Result<ffi::Buffer<ffi::F32>> workspace, int32_t layout, float scale, float softcap,
-    int32_t window, int32_t /*kernel*/, int32_t /*cta_shape*/, int32_t /*split_counters*/) {
+    int32_t window, int32_t /*kernel*/, int32_t /*cta_shape*/, int32_t /*split_counters*/,
+    int32_t /*splits*/) {
   JKV_DISPATCH_DTYPE(q.element_type(), GqaCpuImpl, q, k, v, *k_cache, *v_cache, lengths,
                      NewTokens{}, committed, out, status, workspace, layout, scale, softcap,
                      window);

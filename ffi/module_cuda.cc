@@ -41,7 +41,7 @@ static const char* const kTargetNames[jax_kv::kNumHostCallTargets] = {
 // handler's own choice), or std::invalid_argument naming what the handler would refuse.
 static std::pair<jax_kv::DecodeOptions, jax_kv::GqaDecodePlan> DecodePlanOf(
     int batch, int num_q_heads, int num_kv_heads, int head_dim, int itemsize, int kernel,
-    int cta_shape) {
+    int cta_shape, int splits) {
   if (batch <= 0 || num_q_heads <= 0 || num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 ||
       (itemsize != 2 && itemsize != 4)) {
     throw std::invalid_argument(
@@ -49,10 +49,10 @@ static std::pair<jax_kv::DecodeOptions, jax_kv::GqaDecodePlan> DecodePlanOf(
   }
   const int32_t counters = static_cast<int32_t>(jax_kv::SplitCounters::kPool);  // plan-neutral
   const std::string bad =
-      jax_kv::DecodeOptionsError(kernel, cta_shape, counters, head_dim, itemsize);
+      jax_kv::DecodeOptionsError(kernel, cta_shape, counters, splits, head_dim, itemsize);
   if (!bad.empty()) throw std::invalid_argument(bad);
   const jax_kv::DecodeOptions o =
-      jax_kv::MakeDecodeOptions(kernel, cta_shape, counters, head_dim, itemsize);
+      jax_kv::MakeDecodeOptions(kernel, cta_shape, counters, splits, head_dim, itemsize);
   // bf16 and f16 plan alike (only the element size matters).
   JKV_DISPATCH_HEAD_DIM(
       head_dim, HEAD_DIM, throw std::invalid_argument(jax_kv::HeadDimError(head_dim)),
@@ -75,9 +75,9 @@ NB_MODULE(_ffi_cuda, m) {
   m.def(
       "decode_plan",
       [](int batch, int num_q_heads, int num_kv_heads, int head_dim, int itemsize, int kernel,
-         int cta_shape) {
-        const auto [o, plan] =
-            DecodePlanOf(batch, num_q_heads, num_kv_heads, head_dim, itemsize, kernel, cta_shape);
+         int cta_shape, int splits) {
+        const auto [o, plan] = DecodePlanOf(batch, num_q_heads, num_kv_heads, head_dim, itemsize,
+                                            kernel, cta_shape, splits);
         nb::dict d;
         d["kernel"] = o.kernel == jax_kv::DecodeKernel::kMma ? "mma" : "simt";
         d["num_splits"] = plan.num_splits;
@@ -88,12 +88,13 @@ NB_MODULE(_ffi_cuda, m) {
         return d;
       },
       nb::arg("batch"), nb::arg("num_q_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
-      nb::arg("itemsize"), nb::arg("kernel"), nb::arg("cta_shape"),
-      "A decode call's plan on the current device, for the `kernel` and `cta_shape` attribute "
-      "values (0 = auto): the kernel it runs ('mma' or 'simt'); num_splits splits, each a "
-      "multiple of chunk_multiple tokens and at least min_chunk; and workspace_floats, the "
-      "float32 workspace that plan needs (partials and counters, 0 without splits; never a "
-      "function of the capacity S). ValueError where the handler would refuse the call.");
+      nb::arg("itemsize"), nb::arg("kernel"), nb::arg("cta_shape"), nb::arg("splits") = 0,
+      "A decode call's plan on the current device, for the `kernel`, `cta_shape` and `splits` "
+      "attribute values (0 = auto): the kernel it runs ('mma' or 'simt'); num_splits splits, "
+      "each a multiple of chunk_multiple tokens and at least min_chunk (with splits > 0 none of "
+      "the three follows the batch); and workspace_floats, the float32 workspace that plan needs "
+      "(partials and counters, 0 without splits; never a function of the capacity S). "
+      "ValueError where the handler would refuse the call.");
   m.def(
       "prefill_uses_wgmma",
       [](int head_dim, int itemsize, int kernel) {

@@ -97,6 +97,15 @@ class RuntimeConfig:
         (64 MiB); it is device memory in use, reported as pooled_bytes.
     excess_precision: JAX_KV_EXCESS_PRECISION (0), whether XLA may skip the roundings of a
         fusion's intermediate values in the steps jax_kv compiles (step_compiler_options).
+    batch_invariant: JAX_KV_BATCH_INVARIANT (0), whether a row's logits may depend on the
+        rows computed beside it. 1 makes them a function of the row alone, on the GPU too: the
+        steps' matmuls run cuBLAS's heuristic choice without Triton GEMMs or autotuning
+        (step_compiler_options), a one-row matmul or RMSNorm is computed on two rows
+        (jax_kv.ops.rows), and the CUDA decode kernel cuts a row's positions by its length
+        alone (jax_kv.ops.gqa_decode's BATCH_INVARIANT_SPLITS). Meant for greedy tokens equal
+        to a request's tokens generated alone, whatever else runs; it costs speed. Not yet run
+        on a GPU; on the CPU XLA still picks some reductions by size (bench/NOTES.md, "The
+        batch-invariant mode").
     """
 
     min_bucket: int = 256
@@ -105,6 +114,7 @@ class RuntimeConfig:
     commit_ahead: int | None = None
     pool_bytes: int = 64 << 20
     excess_precision: bool = False
+    batch_invariant: bool = False
 
 
 # variable -> (field, parser). The one table both from_env and the freeze guard read, so the
@@ -116,6 +126,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "JAX_KV_COMMIT_AHEAD": ("commit_ahead", _commit_ahead),
     "JAX_KV_POOL_BYTES": ("pool_bytes", _pool_bytes),
     "JAX_KV_EXCESS_PRECISION": ("excess_precision", _flag),
+    "JAX_KV_BATCH_INVARIANT": ("batch_invariant", _flag),
 }
 
 # Variables jax_kv no longer reads, and why: set, they are refused by name rather than ignored.
@@ -180,8 +191,18 @@ def step_compiler_options() -> dict[str, Any]:
     between them far more often than batching alone explains: on the H100, a 1-slot Engine
     equal to the Generator alone in 27 of 48 requests' first 32 tokens with it, 47 without
     (bench/experiments/bf16_agreement.py, SmolLM2-135M shape, random weights; bench/NOTES.md).
-    JAX_KV_EXCESS_PRECISION=1 gives XLA that freedom back."""
-    return {"xla_allow_excess_precision": runtime_config().excess_precision}
+    JAX_KV_EXCESS_PRECISION=1 gives XLA that freedom back.
+
+    With JAX_KV_BATCH_INVARIANT=1 the GEMMs are cuBLAS's heuristic choice, no Triton GEMM
+    fusion and no autotuning: XLA's defaults pick a kernel (and a split-K) per M, so a row's
+    bits changed with the rows beside it from M = 64-128 on for Llama-3-8B's projections, and
+    with these two options every M >= 2 gave the same bits on the H100
+    (bench/experiments/gemm_row_invariance.py, bench/NOTES.md)."""
+    config = runtime_config()
+    options: dict[str, Any] = {"xla_allow_excess_precision": config.excess_precision}
+    if config.batch_invariant:
+        options.update(xla_gpu_enable_triton_gemm=False, xla_gpu_autotune_level=0)
+    return options
 
 
 def variables() -> tuple[str, ...]:

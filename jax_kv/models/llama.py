@@ -41,7 +41,7 @@ import numpy as np
 
 from jax_kv.layout import Layout
 from jax_kv.models.config import ModelConfig
-from jax_kv.models.projection import project
+from jax_kv.models.projection import matmul_rows, project
 from jax_kv.ops import gqa_decode, gqa_prefill, gqa_prefill_packed
 from jax_kv.ops.norm import rms_norm
 
@@ -183,7 +183,7 @@ def _logits(params: Params, config: ModelConfig, x: jax.Array) -> jax.Array:
     """x [..., H] -> float32 logits [..., V] (float32 accumulation)."""
     x = rms_norm(x, params["norm"], config.rms_norm_eps)
     head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
-    return jnp.matmul(x, head.T, preferred_element_type=jnp.float32)
+    return matmul_rows(x, head, preferred_element_type=jnp.float32)
 
 
 def _check_caches(config: ModelConfig, caches: Caches) -> None:

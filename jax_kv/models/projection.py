@@ -8,10 +8,22 @@ for the projections"); it lives on branch `cuda-matvec`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
 from jax_kv.ops.norm import rms_norm
+from jax_kv.ops.rows import one_row_as_two
+
+
+def matmul_rows(x: jax.Array, w: jax.Array, **kwargs: Any) -> jax.Array:
+    """x [..., K] @ w.T [K, N] -> [..., N] (jnp.matmul's keywords pass through); a single row
+    is multiplied as two in the batch-invariant mode (jax_kv.ops.rows: at M = 1 XLA and cuBLAS
+    take a matrix-vector path that sums K in another order than any M >= 2; on the H100 M = 1
+    differed from M = 8 in 6 of 8 projection shapes and every M >= 2 agreed,
+    bench/experiments/gemm_row_invariance.py)."""
+    return one_row_as_two(lambda x: jnp.matmul(x, w.T, **kwargs), x)
 
 
 def project(
@@ -38,7 +50,7 @@ def project(
         x = rms_norm(x, norm, eps)
     # float32 as float32 (GPU dots default to TF32 for it): the contract accumulates in float32.
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    y = jnp.matmul(x, w.T, precision=precision)
+    y = matmul_rows(x, w, precision=precision)
     if b is not None:
         y = y + b.reshape((1,) * (y.ndim - 1) + b.shape)
     if activation == "swiglu":

@@ -168,6 +168,22 @@ def choice_attr(name: str, value: str, choices: tuple[str, ...]) -> np.int32:
     return np.int32(choices.index(value))
 
 
+# The most splits a decode call's plan may fix (cuda/gqa_decode.cuh kDecodeMaxSplits).
+MAX_DECODE_SPLITS = 256
+
+
+def splits_attr(name: str, value: int | None, default: int) -> np.int32:
+    """The int32 `splits` attribute of a decode call: `value`, or `default` where it is None."""
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name}: expected an int from 0 to {MAX_DECODE_SPLITS}, got {value!r}")
+    if not 0 <= value <= MAX_DECODE_SPLITS:
+        raise ValueError(
+            f"{name}: expected 0 (planned from the batch) to {MAX_DECODE_SPLITS}, got {value}"
+        )
+    return np.int32(value)
+
+
 def decode_workspace_shape(
     batch: int,
     num_q_heads: int,
@@ -176,6 +192,7 @@ def decode_workspace_shape(
     dtype: Any,
     kernel: np.int32,
     cta_shape: np.int32,
+    splits: np.int32,
 ) -> tuple[int]:
     """Float32 scratch of one gqa_decode call (split-K partials and counters), sized for the
     kernel, CTA shape and split plan that call runs. Sized here, never allocated by a handler,
@@ -184,7 +201,10 @@ def decode_workspace_shape(
     if cuda is None or jax.default_backend() != "gpu" or batch == 0:
         return (0,)  # (B = 0: the launcher returns before launching anything)
     itemsize = jnp.dtype(dtype).itemsize
-    args = (batch, num_q_heads, num_kv_heads, head_dim, itemsize, int(kernel), int(cta_shape))
+    args = (
+        batch, num_q_heads, num_kv_heads, head_dim, itemsize, int(kernel), int(cta_shape),
+        int(splits),
+    )  # fmt: skip
     return (int(cuda.decode_plan(*args)["workspace_floats"]),)
 
 

@@ -5,8 +5,16 @@ from __future__ import annotations
 import jax
 
 from jax_kv import _ffi
+from jax_kv.config import runtime_config
 from jax_kv.layout import Layout
 from jax_kv.ops import _common
+
+# The split count of every CUDA decode call in the batch-invariant mode (jax_kv.config's
+# batch_invariant): a row's positions are cut into at most this many chunks, the chunk a
+# function of the row's length alone, so a row sums in one order whatever the batch beside it.
+# 16 fills an H200 with narrow CTAs at one row of Llama-3-8B (8 KV heads); larger batches pay
+# for it in CTAs that find no work and in partials merged where one split would do.
+BATCH_INVARIANT_SPLITS = 16
 
 
 def gqa_decode(
@@ -26,6 +34,7 @@ def gqa_decode(
     _kernel: str = "auto",
     _cta_shape: str = "auto",
     _split_counters: str = "pool",
+    _splits: int | None = None,
 ) -> tuple[jax.Array, ...]:
     """One GQA decode step over a growing KV cache.
 
@@ -58,6 +67,10 @@ def gqa_decode(
             "simt" and "mma" force one ("mma" only where it applies). The CTA shape ("auto",
             "narrow", "wide") and the split counters' home ("pool", "workspace") likewise. Each
             is an attribute of the compiled call; the CPU handler ignores them.
+        _splits: the split count of the CUDA kernel's plan: 0 plans it from the batch (the
+            grid's CTA count), n > 0 fixes it at n (and the auto CTA shape at narrow), so a
+            row's result does not depend on the batch. None: BATCH_INVARIANT_SPLITS in the
+            batch-invariant mode (JAX_KV_BATCH_INVARIANT), else 0.
 
     Returns:
         (out [B, Hq, D], k_cache, v_cache), plus status [B] if return_status.
@@ -74,6 +87,11 @@ def gqa_decode(
         split_counters=_common.choice_attr(
             "_split_counters", _split_counters, _common.SPLIT_COUNTERS
         ),
+        splits=_common.splits_attr(
+            "_splits",
+            _splits,
+            BATCH_INVARIANT_SPLITS if runtime_config().batch_invariant else 0,
+        ),
     )
     known = _common.check_lengths("lengths", lengths, B)
     committed, bound = _common.committed_or_capacity(committed, B, S)
@@ -88,7 +106,7 @@ def gqa_decode(
                 + f", got lengths[{b}]={x}"
             )
     workspace = _common.decode_workspace_shape(
-        B, Hq, Hkv, D, q.dtype, attrs["kernel"], attrs["cta_shape"]
+        B, Hq, Hkv, D, q.dtype, attrs["kernel"], attrs["cta_shape"], attrs["splits"]
     )
     args = (q, k, v, k_cache, v_cache, lengths, committed)
     return _common.call_attention("decode", args, attrs, workspace, return_status)

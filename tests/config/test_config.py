@@ -1,27 +1,10 @@
 """RuntimeConfig: JAX_KV_* read once, validated, frozen; a change after the freeze is an error
 naming the variable. Each case runs in its own process, as config-dependent tests must."""
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
+from processes import run
 
 from jax_kv.config import ConfigError, RuntimeConfig, from_env, variables
-
-
-def run(code: str, **env: str) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("JAX_KV_")}
-    clean.update(env)
-    clean.setdefault("JAX_PLATFORMS", "cpu")
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=clean,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def test_defaults():
@@ -37,9 +20,10 @@ def test_parses_each_variable():
         "JAX_KV_COMMIT_AHEAD": "128",
         "JAX_KV_POOL_BYTES": "0",
         "JAX_KV_EXCESS_PRECISION": "1",
+        "JAX_KV_BATCH_INVARIANT": "true",
     }
     assert set(env) == set(variables())
-    assert from_env(env) == RuntimeConfig(64, "eager", 64 << 30, 128, 0, True)
+    assert from_env(env) == RuntimeConfig(64, "eager", 64 << 30, 128, 0, True, True)
 
 
 @pytest.mark.parametrize(
@@ -52,6 +36,7 @@ def test_parses_each_variable():
         ("JAX_KV_RESERVE_BYTES", "12X"),
         ("JAX_KV_COMMIT_AHEAD", "0"),
         ("JAX_KV_EXCESS_PRECISION", "yes"),
+        ("JAX_KV_BATCH_INVARIANT", "on"),
     ],
 )
 def test_invalid_value_names_the_variable(name, raw):

@@ -2,7 +2,7 @@
 its own process: the config is read once per process and frozen."""
 
 import pytest
-from test_config import run
+from processes import run
 
 from jax_kv.config import variables
 
@@ -53,6 +53,25 @@ CASES = {
         "ref = np.asarray(jnp.asarray(xb * 3).astype(jnp.bfloat16)).astype(np.float32) + 1\n"
         "print(bool((np.asarray(got) != ref).any()))",
         "True",
+    ),
+    "JAX_KV_BATCH_INVARIANT": (
+        "1",
+        # The three things the mode changes: the steps' GEMM options, a one-row matmul
+        # computed as two rows, and the decode kernel's fixed split count (an attribute of
+        # the compiled call, which the CPU handler ignores).
+        "import re, jax, jax.numpy as jnp\n"
+        "from jax_kv import Layout, gqa_decode\n"
+        "from jax_kv.config import step_compiler_options\n"
+        "from jax_kv.models.projection import matmul_rows\n"
+        "o = step_compiler_options()\n"
+        "print(o.get('xla_gpu_enable_triton_gemm'), o.get('xla_gpu_autotune_level'))\n"
+        "hlo = jax.jit(matmul_rows).lower(jnp.ones((1, 8)), jnp.ones((4, 8))).as_text()\n"
+        "print(re.findall(r'dot_general.*-> tensor<(\\w+)>', hlo))\n"
+        "q, kv, c = jnp.ones((1, 2, 64)), jnp.ones((1, 1, 64)), jnp.ones((1, 8, 1, 64))\n"
+        "f = lambda *a: gqa_decode(*a, layout=Layout.SEQ_MAJOR)\n"
+        "hlo = jax.jit(f).lower(q, kv, kv, c, c, jnp.zeros((1,), jnp.int32)).as_text()\n"
+        "print(re.findall(r'splits = (\\d+) : i32', hlo))",
+        "False 0\n['2x4xf32']\n['16']",
     ),
     "JAX_KV_POOL_BYTES": (
         "256K",

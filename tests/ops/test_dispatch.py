@@ -3,8 +3,10 @@
 - the supported head dims are spelled once per language, cuda/head_dims.h for C++ and
   jax_kv.ops._common.SUPPORTED_HEAD_DIMS for Python, and the two agree;
 - the C++ check (every handler's, through FillGqaParams) names the value and the set;
-- the kernel choices tests and benchmarks make (`_kernel`, `_cta_shape`, `_split_counters`) are
-  attributes of the compiled call, refused by name when unknown, and ignored by the CPU handler.
+- the kernel choices tests and benchmarks make (`_kernel`, `_cta_shape`, `_split_counters`,
+  `_splits`) are attributes of the compiled call, refused by name when unknown, and ignored by
+  the CPU handler; `_splits` defaults to the batch-invariant mode's fixed count where that mode
+  is on (JAX_KV_BATCH_INVARIANT), to 0 (planned from the batch) elsewhere.
 
 Which CUDA kernel each choice runs is checked on the GPU (tests/ops/test_gpu_ops.py).
 """
@@ -37,7 +39,9 @@ def test_handler_refuses_an_unsupported_head_dim_naming_the_set(rng):
     kc, vc = caches(rng, LAYOUT, B, S, Hkv, d, jnp.float32)
     n = jnp.zeros((B,), jnp.int32)
     attrs = _common.attention_attrs(LAYOUT, d, None, None, None)
-    attrs.update(kernel=np.int32(0), cta_shape=np.int32(0), split_counters=np.int32(0))
+    attrs.update(
+        kernel=np.int32(0), cta_shape=np.int32(0), split_counters=np.int32(0), splits=np.int32(0)
+    )
     with pytest.raises(Exception, match=r"q: head_dim must be one of 64, 80, 96, 128, 256, got 48"):
         out = _common.call_attention("decode", (q, k, v, kc, vc, n, n + S), attrs, (0,), False)
         jax.block_until_ready(out)
@@ -65,6 +69,15 @@ def test_decode_hooks_refuse_unknown_values_by_name(decode_args, hook, value, ch
         gqa_decode(*decode_args, layout=LAYOUT, **{hook: value})
 
 
+@pytest.mark.parametrize("value", [-1, 257, 2.5, True, "16"])
+def test_decode_splits_hook_refuses_what_is_not_a_split_count(decode_args, value):
+    with pytest.raises(
+        ValueError,
+        match=r"_splits: expected (0 \(planned from the batch\) to|an int from 0 to) 256",
+    ):
+        gqa_decode(*decode_args, layout=LAYOUT, _splits=value)
+
+
 def test_prefill_hook_refuses_unknown_values_by_name(rng):
     q = randn(rng, (B, T, Hq, D), jnp.float32)
     k, v = randn(rng, (B, T, Hkv, D), jnp.float32), randn(rng, (B, T, Hkv, D), jnp.float32)
@@ -83,10 +96,12 @@ def test_decode_choices_are_attributes_of_the_compiled_call(decode_args):
         return fn.lower(*decode_args).as_text()
 
     default = lowered()
-    for attr in ("kernel = 0 : i32", "cta_shape = 0 : i32", "split_counters = 0 : i32"):
+    for attr in ("kernel = 0 : i32", "cta_shape = 0 : i32", "split_counters = 0 : i32",
+                 "splits = 0 : i32"):  # fmt: skip
         assert attr in default, attr
-    forced = lowered(_kernel="simt", _cta_shape="wide", _split_counters="workspace")
-    for attr in ("kernel = 1 : i32", "cta_shape = 2 : i32", "split_counters = 1 : i32"):
+    forced = lowered(_kernel="simt", _cta_shape="wide", _split_counters="workspace", _splits=16)
+    for attr in ("kernel = 1 : i32", "cta_shape = 2 : i32", "split_counters = 1 : i32",
+                 "splits = 16 : i32"):  # fmt: skip
         assert attr in forced, attr
     assert "kernel = 2 : i32" in lowered(_kernel="mma")
 
@@ -96,7 +111,11 @@ def test_cpu_handler_ignores_the_choices(decode_args):
         return jax.jit(lambda *a: gqa_decode(*a, layout=LAYOUT, **hooks))(*decode_args)
 
     want = [np.asarray(x) for x in run()]
-    for hooks in (dict(_kernel="simt", _cta_shape="narrow"), dict(_split_counters="workspace")):
+    for hooks in (
+        dict(_kernel="simt", _cta_shape="narrow"),
+        dict(_split_counters="workspace"),
+        dict(_splits=16),
+    ):
         got = run(**hooks)
         for g, w in zip(got, want, strict=True):
             np.testing.assert_array_equal(np.asarray(g), w)

@@ -4,7 +4,8 @@ softcap; the device-side status path; the host-call counter as the CUDA-graph re
 Every decode test runs once per decode kernel choice and CTA shape (the `decode_kernel`
 fixture: "auto", which runs the tensor-core kernel mma for bf16/f16 at D <= 128 and the
 CUDA-core kernel simt elsewhere, and "simt" forced everywhere, each with narrow and with wide
-CTAs, which the auto rule picks for only some of the shapes). The choices are gqa_decode's and
+CTAs, which the auto rule picks for only some of the shapes; and both kernels with the
+batch-invariant mode's fixed split count). The choices are gqa_decode's and
 gqa_prefill's test hooks: attributes of the compiled call, so no test clears jax's caches.
 
 Run twice, with command buffers forced on (XLA_FLAGS=--xla_gpu_graph_min_graph_size=1) and
@@ -32,6 +33,7 @@ from reference import (
 
 from jax_kv import Layout, gqa_decode, gqa_prefill, grow_cache
 from jax_kv.ops._common import CTA_SHAPES, DECODE_KERNELS, PREFILL_KERNELS
+from jax_kv.ops.gqa_decode import BATCH_INVARIANT_SPLITS
 
 pytestmark = pytest.mark.gpu
 LAYOUTS = list(Layout)
@@ -41,20 +43,27 @@ dtype_ids = lambda d: jnp.dtype(d).name  # noqa: E731
 
 @pytest.fixture(
     params=[
-        ("auto", "narrow", "pool"),
-        ("auto", "wide", "pool"),
-        ("simt", "narrow", "pool"),
-        ("simt", "wide", "pool"),
-        ("simt", "narrow", "workspace"),
-        ("auto", "wide", "workspace"),
+        ("auto", "narrow", "pool", 0),
+        ("auto", "wide", "pool", 0),
+        ("simt", "narrow", "pool", 0),
+        ("simt", "wide", "pool", 0),
+        ("simt", "narrow", "workspace", 0),
+        ("auto", "wide", "workspace", 0),
+        ("auto", "auto", "pool", BATCH_INVARIANT_SPLITS),
+        ("simt", "auto", "pool", BATCH_INVARIANT_SPLITS),
     ],
-    ids=lambda k: f"{k[0]}-{k[1]}" + ("-ws" if k[2] == "workspace" else ""),
+    ids=lambda k: (
+        f"{k[0]}-{k[1]}"
+        + ("-ws" if k[2] == "workspace" else "")
+        + (f"-splits{k[3]}" if k[3] else "")
+    ),
 )
 def decode_kernel(request):
-    """gqa_decode's kernel hooks for one test: the kernel choice, the CTA shape and where the
-    split counters live (the pool, or the workspace zeroed per launch)."""
-    kernel, shape, counters = request.param
-    return dict(_kernel=kernel, _cta_shape=shape, _split_counters=counters)
+    """gqa_decode's kernel hooks for one test: the kernel choice, the CTA shape, where the
+    split counters live (the pool, or the workspace zeroed per launch) and the split count
+    (0: planned from the batch; the batch-invariant mode's fixed count)."""
+    kernel, shape, counters, splits = request.param
+    return dict(_kernel=kernel, _cta_shape=shape, _split_counters=counters, _splits=splits)
 
 
 @pytest.fixture(params=PREFILL_KERNELS, ids=lambda k: f"prefill-{k}")
@@ -75,7 +84,10 @@ def decode_plan(B, Hq, Hkv, D, dtype, hooks=None):
     hooks = hooks or {}
     kernel = DECODE_KERNELS.index(hooks.get("_kernel", "auto"))
     shape = CTA_SHAPES.index(hooks.get("_cta_shape", "auto"))
-    return cuda_module().decode_plan(B, Hq, Hkv, D, jnp.dtype(dtype).itemsize, kernel, shape)
+    splits = hooks.get("_splits") or 0
+    return cuda_module().decode_plan(
+        B, Hq, Hkv, D, jnp.dtype(dtype).itemsize, kernel, shape, splits
+    )
 
 
 def on_cpu(fn, *args, **kw):
@@ -470,15 +482,82 @@ def test_decode_kernel_is_a_function_of_dtype_and_head_dim():
     assert plan(1, 128, bf16)["chunk_multiple"] == 128
 
 
+def test_fixed_splits_plan_alike_at_every_batch():
+    # The batch-invariant mode's plan: the same split count, chunk multiple and minimum chunk
+    # at every batch, so a row's chunks follow its length alone; 0 plans from the batch.
+    mod = cuda_module()
+    for dtype, D, kernel in ((jnp.bfloat16, 128, "auto"), (jnp.float32, 128, "auto"),
+                             (jnp.bfloat16, 64, "simt"), (jnp.bfloat16, 256, "auto")):  # fmt: skip
+        hooks = dict(_kernel=kernel, _splits=BATCH_INVARIANT_SPLITS)
+        plans = [decode_plan(B, 32, 8, D, dtype, hooks) for B in (1, 2, 16, 64, 256)]
+        keys = ("kernel", "num_splits", "chunk_multiple", "min_chunk")
+        assert all({k: p[k] for k in keys} == {k: plans[0][k] for k in keys} for p in plans)
+        assert plans[0]["num_splits"] == BATCH_INVARIANT_SPLITS
+        # and it is the narrow CTAs' plan (auto would pick wide ones for small grids)
+        narrow = decode_plan(256, 32, 8, D, dtype, dict(_kernel=kernel, _cta_shape="narrow"))
+        assert plans[0]["chunk_multiple"] == narrow["chunk_multiple"]
+    assert (
+        decode_plan(1, 32, 8, 128, jnp.bfloat16)["num_splits"]
+        != decode_plan(256, 32, 8, 128, jnp.bfloat16)["num_splits"]
+    )
+    with pytest.raises(ValueError, match=r"splits: expected 0 \(planned from the batch\) to 256"):
+        mod.decode_plan(1, 32, 8, 128, 2, 0, 0, 257)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=dtype_ids)
+@pytest.mark.parametrize("heads", [(32, 8), (9, 3)], ids=lambda h: f"Hq{h[0]}-Hkv{h[1]}")
+def test_fixed_splits_give_a_row_the_same_bits_in_any_batch(dtype, heads):
+    # The same row (q, new K/V, cache, length) decoded alone and at rows 0 and 5 of batches of
+    # 16 and 48 whose other rows are random: bit-identical outputs with the fixed plan, at
+    # lengths that take 1, a few and all 16 splits. Without it the plan, and so the sums, change
+    # with the batch (counted and printed, not asserted: which bits move is the hardware's).
+    Hq, Hkv = heads
+    D, S, layout = 128, 4096, Layout.SEQ_MAJOR
+    rng = np.random.default_rng(7)
+    q1 = randn(rng, (1, Hq, D), dtype)
+    k1, v1 = randn(rng, (1, Hkv, D), dtype), randn(rng, (1, Hkv, D), dtype)
+    kc1, vc1 = caches(rng, layout, 1, S, Hkv, D, dtype)
+    batches = {(1, 0): ((q1, k1, v1, kc1, vc1), jnp.zeros((1,), jnp.int32))}
+    for B, at in ((16, 0), (16, 5), (48, 5)):
+        kc, vc = caches(rng, layout, B, S, Hkv, D, dtype)
+        row_of = lambda x, x1, at=at: x.at[at].set(x1[0])  # noqa: E731
+        args = (
+            row_of(randn(rng, (B, Hq, D), dtype), q1),
+            row_of(randn(rng, (B, Hkv, D), dtype), k1),
+            row_of(randn(rng, (B, Hkv, D), dtype), v1),
+            row_of(kc, kc1),
+            row_of(vc, vc1),
+        )
+        batches[B, at] = (args, jnp.asarray(rng.integers(0, S, B), jnp.int32))
+
+    moved = {}
+    for L in (100, 700, 2500, S - 1):
+        for splits in (BATCH_INVARIANT_SPLITS, 0):
+            rows = []
+            for (_, at), (args, lengths) in batches.items():
+                fn = lambda *a, splits=splits: gqa_decode(*a, layout=layout, _splits=splits)  # noqa: E731
+                out = on_gpu(fn, *args, lengths.at[at].set(L))[0]
+                rows.append(np.asarray(out[at], np.float32))
+            alone, others = rows[0], rows[1:]
+            assert not np.isnan(alone).any()
+            if splits:
+                for got in others:
+                    np.testing.assert_array_equal(got, alone, err_msg=f"L={L}")
+            else:
+                moved[L] = sum(int((got != alone).sum()) for got in others)
+    print(f"\nvalues moved, plan from the batch ({jnp.dtype(dtype).name}, Hq{Hq}): {moved}")
+
+
 @pytest.mark.parametrize("kernel", DECODE_KERNELS[:2])
 @pytest.mark.parametrize("shape", CTA_SHAPES)
+@pytest.mark.parametrize("splits", [0, BATCH_INVARIANT_SPLITS], ids=lambda n: f"splits{n}")
 @pytest.mark.parametrize(
     "B, Hq, Hkv, D", [(1, 32, 8, 128), (4, 28, 4, 96), (64, 32, 8, 128), (1, 64, 4, 64)]
 )
-def test_workspace_is_sized_for_the_kernel_the_call_runs(kernel, shape, B, Hq, Hkv, D):
+def test_workspace_is_sized_for_the_kernel_the_call_runs(kernel, shape, splits, B, Hq, Hkv, D):
     # Partials of the call's own split plan and one counter per (b, KV head, head chunk): not
     # the larger of two kernels' needs, and never a function of the capacity S.
-    hooks = dict(_kernel=kernel, _cta_shape=shape)
+    hooks = dict(_kernel=kernel, _cta_shape=shape, _splits=splits)
     plan = decode_plan(B, Hq, Hkv, D, jnp.bfloat16, hooks)
     splits, floats = plan["num_splits"], plan["workspace_floats"]
     chunks = -(-(Hq // Hkv) // 8)
