@@ -8,9 +8,11 @@ version, git commit) and attention.png (achieved live-KV GB/s per row) under --o
 same cuDNN and XLA measurements (gqa_decode's `_kernel` and `_cta_shape` test hooks): auto (what
 the library runs: the tensor-core kernel mma here, keys jax_kv_<LAYOUT>), simt (the CUDA-core
 kernel forced: jax_kv_simt_<LAYOUT>), mma, and any of them with a CTA shape forced: simt-narrow,
-mma-wide, ... (jax_kv_simt-narrow_<LAYOUT>, ...). --prefill-kernel likewise: auto, mma.
+mma-wide, ... (jax_kv_simt-narrow_<LAYOUT>, ...), and any of those with the split count fixed
+(`_splits`): auto@16 is the batch-invariant mode's plan (jax_kv_auto@16_<LAYOUT>).
+--prefill-kernel likewise: auto, mma.
 
-    python bench/attention.py --out /tmp/bench --decode-kernel auto,simt,mma-narrow
+    python bench/attention.py --out /tmp/bench --decode-kernel auto,simt,mma-narrow,auto@16
 """
 
 from __future__ import annotations
@@ -129,11 +131,19 @@ def decode_key(kernel: str, layout: Layout) -> str:
     return f"jax_kv_{layout.name}" if kernel == "auto" else f"jax_kv_{kernel}_{layout.name}"
 
 
-def decode_hooks(kernel: str) -> dict[str, str]:
-    """gqa_decode's test hooks of kernel spec `kernel` (KERNEL_SPECS): "simt-wide" ->
-    _kernel="simt", _cta_shape="wide"."""
-    name, _, shape = kernel.partition("-")
-    return dict(_kernel=name, _cta_shape=shape or "auto")
+def decode_hooks(kernel: str) -> dict[str, str | int]:
+    """gqa_decode's test hooks of kernel spec `kernel` (a KERNEL_SPECS entry, then optionally
+    @n): "simt-wide" -> _kernel="simt", _cta_shape="wide"; "auto@16" -> _splits=16 too."""
+    spec, _, splits = kernel.partition("@")
+    name, _, shape = spec.partition("-")
+    return dict(_kernel=name, _cta_shape=shape or "auto", _splits=int(splits or 0))
+
+
+def bad_kernel_spec(kernel: str) -> bool:
+    """Whether `kernel` is not KERNEL_SPECS entry[@n] with 1 <= n <= 256."""
+    spec, at, splits = kernel.partition("@")
+    fixed_ok = splits.isdigit() and 0 < int(splits) <= 256
+    return spec not in KERNEL_SPECS or (bool(at) and not fixed_ok)
 
 
 def bench_decode(B, S, live, iters, kernels=("auto",)):
@@ -371,7 +381,8 @@ def main():
     ap.add_argument(
         "--decode-kernel",
         default="auto",
-        help=f"comma list of decode kernel choices to time: {', '.join(KERNEL_SPECS)}",
+        help=f"comma list of decode kernel choices to time: {', '.join(KERNEL_SPECS)}, "
+        "each optionally with @n, a fixed split count (auto@16: the batch-invariant mode's)",
     )
     ap.add_argument(
         "--prefill-kernel",
@@ -381,9 +392,10 @@ def main():
     ap.add_argument("--parts", default="decode,prefill", help="tables to measure")
     args = ap.parse_args()
     kernels = tuple(args.decode_kernel.split(","))
-    bad = [k for k in kernels if k not in KERNEL_SPECS]
+    bad = [k for k in kernels if bad_kernel_spec(k)]
     if bad:
-        ap.error(f"--decode-kernel: expected a comma list of {KERNEL_SPECS}, got {bad}")
+        ap.error(f"--decode-kernel: expected a comma list of {KERNEL_SPECS} (each with an "
+                 f"optional @n, 1 <= n <= 256), got {bad}")  # fmt: skip
     prefill_kernels = tuple(args.prefill_kernel.split(","))
     if any(k not in PREFILL_KERNELS for k in prefill_kernels):
         ap.error(f"--prefill-kernel: expected a comma list of {PREFILL_KERNELS}")
