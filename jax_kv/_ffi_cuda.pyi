@@ -1,6 +1,6 @@
 """Stub of the nanobind module _ffi_cuda (ffi/module_cuda.cc): CUDA XLA FFI handlers. Which
 kernel a call runs is a function of the call (its dtype and head dim, and the `kernel`,
-`cta_shape` and `split_counters` attributes tests pass): the module holds no kernel setting."""
+`cta_shape`, `split_counters` and `splits` attributes): the module holds no kernel setting."""
 
 from typing import Any
 
@@ -16,9 +16,11 @@ def decode_plan(
     itemsize: int,
     kernel: int,
     cta_shape: int,
+    splits: int = 0,
 ) -> dict[str, Any]:
-    """A decode call's plan on the current device, for the `kernel` and `cta_shape` attribute
-    values (positions in jax_kv.ops._common.DECODE_KERNELS / CTA_SHAPES; 0 = auto):
+    """A decode call's plan on the current device, for the `kernel`, `cta_shape` and `splits`
+    attribute values (positions in jax_kv.ops._common.DECODE_KERNELS / CTA_SHAPES; 0 = auto;
+    splits n > 0 fixes the split count, and the auto CTA shape at narrow):
     {"kernel": "mma" or "simt", the kernel it runs; "num_splits", "chunk_multiple",
     "min_chunk": its splits, each a multiple of chunk_multiple tokens and at least min_chunk;
     "workspace_floats": the float32 workspace that plan needs (partials and counters, 0

@@ -4,7 +4,7 @@
 #   bash scripts/device_run.sh [stages...]   stages: build ops ops-off gen cache attn generate profile san pytests
 #     prefill-profile failsafe vmm-probe vmm-san soak serving prefill-bench serve serve-prefix serve-http issue20
 #     issue20-gen engine-step branch-prebuild branch (BRANCH_TESTS, BRANCH_CMD) vmm-san-each
-#     batch-invariant
+#     batch-invariant batch-invariant-trained batch-invariant-cost
 # SERVE_ARGS passes options to bench/serve.py (e.g. "--profile 30").
 # GEN_MODELS, GEN_BATCH, GEN_TOKENS, GEN_IMPLS, GEN_TIMEOUT set bench/generate.py's run.
 # ATTN_ARGS passes options to bench/attention.py (e.g. "--decode-kernel auto,simt"), ATTN_TIMEOUT
@@ -176,19 +176,23 @@ for s in $STAGES; do
       timeout -k 10 ${ESTEP_TIMEOUT:-240} python3 bench/engine_step.py --out "$OUT" ${ESTEP_ARGS:-} 2>&1 \
         | grep -v -E "^\s*$|WARNING|gpu_hlo_schedule|rematerialization" | tee "$OUT/engine_step.log" | tail -12 ;;
     batch-invariant)
-      # The batch-invariant mode (bench/NOTES.md, "The batch-invariant mode"): the fixed split
-      # plan's op tests, the trained-weights test in the mode (needs JAX_KV_TEST_GGUF, else
-      # skipped), the probe that names the first op where a row alone parts from its batch,
-      # and the mode's cost: the same engine_step run with it off and on.
+      # The batch-invariant mode (bench/NOTES.md, "The batch-invariant mode"), ~360 s: the
+      # fixed split plan's op tests, then the probe that names the first op where a decode row
+      # alone parts from its batch (trained weights with JAX_KV_TEST_GGUF, else random ones).
       stage "batch-invariant mode: op tests"
       timeout -k 10 ${BI_OPS_TIMEOUT:-240} python3 -m pytest -m gpu tests/ops/test_gpu_ops.py -q \
         -p no:cacheprovider -p no:benchmark -s -k "fixed_splits or splits16" 2>&1 \
         | tee "$OUT/batch_invariant_ops.log" | tail -8
-      stage "batch-invariant mode: probe, then trained weights"
+      stage "batch-invariant mode: probe"
       JAX_KV_BATCH_INVARIANT=1 timeout -k 10 120 python3 bench/experiments/batch_invariance_probe.py \
-        2>&1 | grep -v WARNING | tee "$OUT/batch_invariance_probe.log" | tail -12
+        2>&1 | grep -v WARNING | tee "$OUT/batch_invariance_probe.log" | tail -12 ;;
+    batch-invariant-trained)
+      # Issue 21's trained-weights test in the mode (needs JAX_KV_TEST_GGUF), ~100-300 s.
+      stage "batch-invariant mode: trained weights"
       timeout -k 10 ${BI_TEST_TIMEOUT:-300} python3 -m pytest -m gpu tests/engine/test_engine_gpu.py \
-        -q -p no:cacheprovider -s -k batch_invariant_mode 2>&1 | tee "$OUT/batch_invariant_trained.log" | tail -8
+        -q -p no:cacheprovider -s -k batch_invariant_mode 2>&1 | tee "$OUT/batch_invariant_trained.log" | tail -8 ;;
+    batch-invariant-cost)
+      # The mode's cost: the same bench/engine_step.py run (ESTEP_ARGS) with it off, then on.
       for mode in 0 1; do
         stage "batch-invariant mode $mode: bench/engine_step.py"
         JAX_KV_BATCH_INVARIANT=$mode timeout -k 10 ${ESTEP_TIMEOUT:-240} python3 bench/engine_step.py \

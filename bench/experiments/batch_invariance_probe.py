@@ -13,10 +13,11 @@ and output is not (the GEMM itself).
     JAX_KV_BATCH_INVARIANT=1 JAX_KV_TEST_GGUF=/tmp/smollm2.gguf \\
         python bench/experiments/batch_invariance_probe.py [steps]
 
-On this repository's CPU with trained weights and the mode: the prefills agree; row 9's step 2
-parts at layer 3's q projection's input (3 of 576 values): RMSNorm's sum of squares ran as a
-YNNPACK fusion in the 16-row program and as a reduce-window tree in the 2-row one
-(bench/NOTES.md, "The batch-invariant mode").
+On this repository's CPU with trained weights: with the mode's first form (no fixed-order
+RMSNorm) the prefills agreed and row 9's step 2 parted at layer 3's q projection's input (3 of
+576 values): RMSNorm's sum of squares ran as a YNNPACK fusion in the 16-row program and as a
+reduce-window tree in the 2-row one. With the mode as it is, rows 4, 8 and 9 stay equal to the
+batch's for 20 steps (bench/NOTES.md, "The batch-invariant mode").
 """
 
 import os

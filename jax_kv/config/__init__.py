@@ -100,12 +100,12 @@ class RuntimeConfig:
     batch_invariant: JAX_KV_BATCH_INVARIANT (0), whether a row's logits may depend on the
         rows computed beside it. 1 makes them a function of the row alone, on the GPU too: the
         steps' matmuls run cuBLAS's heuristic choice without Triton GEMMs or autotuning
-        (step_compiler_options), a one-row matmul or RMSNorm is computed on two rows
-        (jax_kv.ops.rows), and the CUDA decode kernel cuts a row's positions by its length
-        alone (jax_kv.ops.gqa_decode's BATCH_INVARIANT_SPLITS). Meant for greedy tokens equal
-        to a request's tokens generated alone, whatever else runs; it costs speed. Not yet run
-        on a GPU; on the CPU XLA still picks some reductions by size (bench/NOTES.md, "The
-        batch-invariant mode").
+        (step_compiler_options), a one-row matmul is computed on two rows (jax_kv.ops.rows),
+        RMSNorm's mean of squares sums in one fixed order (jax_kv.ops.norm), and the CUDA
+        decode kernel cuts a row's positions by its length alone (jax_kv.ops.gqa_decode's
+        BATCH_INVARIANT_SPLITS). Greedy tokens then equal a request's tokens generated alone,
+        whatever else runs (so far measured on the CPU only); it costs speed
+        (bench/NOTES.md, "The batch-invariant mode").
     """
 
     min_bucket: int = 256
@@ -194,12 +194,16 @@ def step_compiler_options() -> dict[str, Any]:
     JAX_KV_EXCESS_PRECISION=1 gives XLA that freedom back.
 
     With JAX_KV_BATCH_INVARIANT=1 the GEMMs are cuBLAS's heuristic choice, no Triton GEMM
-    fusion and no autotuning: XLA's defaults pick a kernel (and a split-K) per M, so a row's
-    bits changed with the rows beside it from M = 64-128 on for Llama-3-8B's projections, and
-    with these two options every M >= 2 gave the same bits on the H100
+    fusion and no autotuning (and excess precision stays off): XLA's defaults pick a kernel
+    (and a split-K) per M, so a row's bits changed with the rows beside it from M = 64-128 on
+    for Llama-3-8B's projections, and with these two options (set through XLA_FLAGS) every M
+    probed from 2 to 768 gave the same bits in its first 8 rows on the H100
     (bench/experiments/gemm_row_invariance.py, bench/NOTES.md)."""
     config = runtime_config()
-    options: dict[str, Any] = {"xla_allow_excess_precision": config.excess_precision}
+    # The batch-invariant mode rounds every op as written whatever JAX_KV_EXCESS_PRECISION
+    # says: a fusion's excess precision follows how XLA fuses, which can follow the shape.
+    excess = config.excess_precision and not config.batch_invariant
+    options: dict[str, Any] = {"xla_allow_excess_precision": excess}
     if config.batch_invariant:
         options.update(xla_gpu_enable_triton_gemm=False, xla_gpu_autotune_level=0)
     return options

@@ -13,17 +13,27 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax_kv.config import runtime_config
 from jax_kv.ops.norm import rms_norm
-from jax_kv.ops.rows import one_row_as_two
 
 
 def matmul_rows(x: jax.Array, w: jax.Array, **kwargs: Any) -> jax.Array:
-    """x [..., K] @ w.T [K, N] -> [..., N] (jnp.matmul's keywords pass through); a single row
-    is multiplied as two in the batch-invariant mode (jax_kv.ops.rows: at M = 1 XLA and cuBLAS
-    take a matrix-vector path that sums K in another order than any M >= 2; on the H100 M = 1
-    differed from M = 8 in 6 of 8 projection shapes and every M >= 2 agreed,
-    bench/experiments/gemm_row_invariance.py)."""
-    return one_row_as_two(lambda x: jnp.matmul(x, w.T, **kwargs), x)
+    """x [..., K] @ w.T [K, N] -> [..., N] (jnp.matmul's keywords pass through).
+
+    In the batch-invariant mode (JAX_KV_BATCH_INVARIANT) a single row is multiplied as two
+    (itself twice, the first kept). At M = 1 XLA and cuBLAS take a matrix-vector path that sums
+    K in another order than any M >= 2 (on the H100 M = 1 differed from M = 8 in 6 of 8
+    projection shapes, every M >= 2 agreed: bench/experiments/gemm_row_invariance.py), so a
+    request computed alone (Generator at batch 1) would round apart from the same request in a
+    batch: on this repository's CPU one decode step's logits for a row alone and in a batch of 4
+    differed in every element (SmolLM2-135M shape, bf16; bench/NOTES.md, "The batch-invariant
+    mode"). A decode step is bound by the weights' bytes, so the second row costs ~nothing."""
+    rows = x.size // max(1, x.shape[-1])
+    if rows != 1 or not runtime_config().batch_invariant:
+        return jnp.matmul(x, w.T, **kwargs)
+    row = x.reshape(1, x.shape[-1])
+    y = jnp.matmul(jnp.concatenate([row, row]), w.T, **kwargs)[:1]
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def project(

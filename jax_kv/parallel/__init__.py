@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_kv.config import runtime_config
 from jax_kv.layout import Layout
 
 TP_AXIS = "tp"
@@ -131,6 +132,14 @@ def params_and_attention(
     from jax_kv.ops import gqa_decode, gqa_prefill_packed
 
     check_tp(model.config.num_kv_heads, mesh_size(mesh))
+    if runtime_config().batch_invariant and mesh_size(mesh) > 2:
+        # The row-parallel projections' all-reduce sums tp partials in an order its algorithm
+        # picks by message size, so by the rows of the call; two partials add in one order.
+        raise ValueError(
+            f"mesh: the batch-invariant mode (JAX_KV_BATCH_INVARIANT=1) takes a tp axis of at "
+            f"most 2 devices, got {mesh_size(mesh)}: the all-reduce of more partials sums them "
+            f"in an order that follows the batch"
+        )
     attention = {
         "prefill": {"attention": head_sharded(gqa_prefill_packed, mesh)},
         "decode": {"attention": head_sharded(gqa_decode, mesh)},

@@ -2,19 +2,23 @@
 meant to be the same bits whatever is computed beside it, so that greedy tokens from a batched
 Engine equal the request's tokens from Generator alone in bf16 too.
 
-What this CPU can check: the one-row paths the mode removes. XLA computes a matmul of one row
-(Generator alone, M = 1) on a matrix-vector path that sums in another order than any M >= 2,
-and a decode step's logits for a row alone and in a batch then differ everywhere. It cannot
-check the rest: XLA's CPU backend also picks reductions by size (RMSNorm's sum of squares ran
-as a YNNPACK fusion at 16 rows, as a reduce-window tree at 2), which parts a few values of
-some trained-weight rows, so the CPU's trained-weights agreement rose from 13 to 19 of 24 with
-the mode, not to 24 (bench/NOTES.md, "The batch-invariant mode"). The GPU's causes (XLA's per-M
-GEMM choices, the decode kernel's split plan from the batch) are checked on the device
-(tests/engine/test_engine_gpu.py, tests/ops/test_gpu_ops.py). Each case runs in its own
-process: the config is read once per process."""
+On this CPU two causes parted them, and the mode removes both (trained SmolLM2-135M, 24 chat
+prompts: 13 of 24 equal by default, 24 of 24 in the mode; bench/NOTES.md, "The batch-invariant
+mode"). XLA computes a one-row matmul (Generator alone, M = 1) on a matrix-vector path that
+sums in another order than any M >= 2. And it picks a reduction's strategy by shape, so
+RMSNorm's sum of squares summed a row in another order at 16 rows than at 2. The trained
+weights are not in CI. These tests check each cause with inputs where the default mode shows
+it. The GPU's further causes (XLA's per-M GEMM choices, the decode kernel's split plan from the
+batch) are checked on the device (tests/engine/test_engine_gpu.py, tests/ops/test_gpu_ops.py).
+The mode's cases run in their own processes: the config is read once per process."""
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from processes import run
+
+from jax_kv.ops.norm import sum_in_fixed_order
 
 # One decode step of SmolLM2-135M's shape (random bf16 weights, random caches) for 4 rows, and
 # for row 0 alone: whether row 0's logits are the same bits, their largest difference, and how
@@ -64,3 +68,70 @@ def test_a_row_decoded_alone_has_the_bits_it_has_in_a_batch():
           f"the largest by {largest}")  # fmt: skip
     if same == "True":
         pytest.skip("this platform's one-row matmul sums as M >= 2 does: nothing to tell apart")
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 64, 576, 896, 4096])
+def test_sum_in_fixed_order_is_the_sum(width):
+    rng = np.random.default_rng(width)
+    x = rng.standard_normal((5, width)).astype(np.float32)
+    x[3, width // 2] = np.nan
+    got = np.asarray(sum_in_fixed_order(jnp.asarray(x)))
+    assert got.shape == (5, 1)
+    want = x.astype(np.float64).sum(-1)
+    ok = [0, 1, 2, 4]
+    bound = width * np.finfo(np.float32).eps * np.abs(x[ok]).astype(np.float64).sum(-1)
+    assert (np.abs(got[ok, 0] - want[ok]) <= bound + 1e-30).all(), (got[ok, 0], want[ok])
+    assert np.isnan(got[3, 0])
+
+
+def test_sum_in_fixed_order_gives_a_row_the_same_bits_in_any_array():
+    # The RMSNorm of the batch-invariant mode: row 0's float32 sum of squares alone and inside
+    # arrays of more rows, 2-D and 3-D. XLA's own reduction (jnp.sum) on this CPU sums row 0
+    # of 16 or more rows in another order than alone, and is printed beside it.
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((64, 576)).astype(np.float32))
+    tree = jax.jit(lambda x: sum_in_fixed_order(x * x))
+    xla = jax.jit(lambda x: jnp.sum(x * x, axis=-1, keepdims=True))
+    alone, xla_alone = np.asarray(tree(x[:1]))[0], np.asarray(xla(x[:1]))[0]
+    shapes = [x[:n] for n in (2, 3, 16, 17, 64)] + [x.reshape(4, 16, 576)]
+    xla_parts = []
+    for a in shapes:
+        np.testing.assert_array_equal(np.asarray(tree(a)).reshape(-1, 1)[0], alone)
+        xla_parts.append(bool((np.asarray(xla(a)).reshape(-1, 1)[0] != xla_alone).any()))
+    print(f"\njnp.sum's row 0 differs from alone at 2, 3, 16, 17, 64 rows, [4, 16]: {xla_parts}")
+
+
+MODE_LIMITS = """
+import dataclasses
+import jax_kv.models as jm
+from jax_kv import Generator
+from jax_kv.config import step_compiler_options
+from jax_kv.parallel import tp_mesh
+
+print(step_compiler_options()["xla_allow_excess_precision"])
+config = dataclasses.replace(jm.PRESETS["tiny-llama"], num_q_heads=8, num_kv_heads=4,
+                             hidden_size=128)
+model = jm.random_model(config, seed=0)
+Generator(model, mesh=tp_mesh(2))
+try:
+    Generator(model, mesh=tp_mesh(4))
+except ValueError as e:
+    print(e)
+"""
+
+
+def test_the_mode_keeps_excess_precision_off_and_refuses_a_tp_axis_over_two():
+    # Two partials add in one order; the all-reduce of more picks its order by message size.
+    # Excess precision follows XLA's fusion, which can follow the shape: the mode keeps it off
+    # whatever JAX_KV_EXCESS_PRECISION says.
+    env = dict(JAX_KV_BATCH_INVARIANT="1", JAX_KV_EXCESS_PRECISION="1",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4")  # fmt: skip
+    r = run(MODE_LIMITS, **env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    assert lines[0] == "False", lines
+    want = "mesh: the batch-invariant mode (JAX_KV_BATCH_INVARIANT=1) takes a tp axis of at most"
+    assert lines[-1].startswith(want) and "got 4" in lines[-1], lines
+    r = run(MODE_LIMITS, JAX_KV_EXCESS_PRECISION="1",
+            XLA_FLAGS="--xla_force_host_platform_device_count=4")  # fmt: skip
+    assert r.returncode == 0 and r.stdout.strip().splitlines() == ["True"], r.stdout + r.stderr

@@ -20,7 +20,9 @@ import pytest
 from inputs import caches, randn
 
 from jax_kv import Layout, _ffi, _ffi_cpu, gqa_decode, gqa_prefill
+from jax_kv.config import runtime_config
 from jax_kv.ops import _common
+from jax_kv.ops.gqa_decode import BATCH_INVARIANT_SPLITS
 
 B, Hq, Hkv, D, S, T = 2, 8, 2, 64, 32, 3
 LAYOUT = Layout.SEQ_MAJOR
@@ -96,8 +98,9 @@ def test_decode_choices_are_attributes_of_the_compiled_call(decode_args):
         return fn.lower(*decode_args).as_text()
 
     default = lowered()
+    splits = BATCH_INVARIANT_SPLITS if runtime_config().batch_invariant else 0
     for attr in ("kernel = 0 : i32", "cta_shape = 0 : i32", "split_counters = 0 : i32",
-                 "splits = 0 : i32"):  # fmt: skip
+                 f"splits = {splits} : i32"):  # fmt: skip
         assert attr in default, attr
     forced = lowered(_kernel="simt", _cta_shape="wide", _split_counters="workspace", _splits=16)
     for attr in ("kernel = 1 : i32", "cta_shape = 2 : i32", "split_counters = 1 : i32",
