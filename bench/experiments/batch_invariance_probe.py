@@ -20,6 +20,7 @@ reduce-window tree in the 2-row one. With the mode as it is, rows 4, 8 and 9 sta
 batch's for 20 steps (bench/NOTES.md, "The batch-invariant mode").
 """
 
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -80,13 +81,16 @@ def main() -> None:
         parted = int((alone_logits[0] != batch_logits[i]).sum())
         print(f"prefill, row {i}: {parted} logits differ alone against packed with 15 others")
 
-    records: list = []
+    records: dict[int, tuple] = {}
 
     def recording(row):
+        traced = itertools.count()  # a projection's index in the step, taken while tracing
+
         def projection(x, w, b=None, **kw):
             y = project(x, w, b, **kw)
-            keep = lambda xv, yv: records.append((np.asarray(xv), np.asarray(yv)))  # noqa: E731
-            jax.debug.callback(keep, x[row], y[row], ordered=True)
+            j = next(traced)
+            keep = lambda xv, yv: records.__setitem__(j, (np.asarray(xv), np.asarray(yv)))  # noqa: E731
+            jax.debug.callback(keep, x[row], y[row])
             return y
 
         return projection
@@ -122,13 +126,15 @@ def main() -> None:
                 print(f"step {step}, row {i}: {parted} logits differ, the largest by "
                       f"{float(np.abs(one[0] - logits[i]).max()):.4f}")  # fmt: skip
                 records.clear()
-                decoder(recording(i))(params, *before)
+                jax.block_until_ready(decoder(recording(i))(params, *before))
                 jax.effects_barrier()
-                in_batch = list(records)
+                in_batch = [records[j] for j in sorted(records)]
                 records.clear()
-                decoder(recording(0))(params, *start)
+                jax.block_until_ready(decoder(recording(0))(params, *start))
                 jax.effects_barrier()
-                for j, ((xb, yb), (xa, ya)) in enumerate(zip(in_batch, records, strict=True)):
+                alone_records = [records[j] for j in sorted(records)]
+                pairs = zip(in_batch, alone_records, strict=True)
+                for j, ((xb, yb), (xa, ya)) in enumerate(pairs):
                     dx, dy = int((xb != xa).sum()), int((yb != ya).sum())
                     if dx or dy:
                         where = "its input" if dx else "the GEMM (equal input)"
