@@ -98,14 +98,14 @@ class RuntimeConfig:
     excess_precision: JAX_KV_EXCESS_PRECISION (0), whether XLA may skip the roundings of a
         fusion's intermediate values in the steps jax_kv compiles (step_compiler_options).
     batch_invariant: JAX_KV_BATCH_INVARIANT (0), whether a row's logits may depend on the
-        rows computed beside it. 1 makes them a function of the row alone, on the GPU too: the
+        rows computed beside it. 1 is meant to make them a function of the row alone: the
         steps' matmuls run cuBLAS's heuristic choice without Triton GEMMs or autotuning
-        (step_compiler_options), a one-row matmul is computed on two rows (jax_kv.ops.rows),
-        RMSNorm's mean of squares sums in one fixed order (jax_kv.ops.norm), and the CUDA
-        decode kernel cuts a row's positions by its length alone (jax_kv.ops.gqa_decode's
-        BATCH_INVARIANT_SPLITS). Greedy tokens then equal a request's tokens generated alone,
-        whatever else runs (so far measured on the CPU only); it costs speed
-        (bench/NOTES.md, "The batch-invariant mode").
+        (step_compiler_options), a one-row matmul is computed on two rows
+        (jax_kv.models.projection.matmul_rows), RMSNorm's mean of squares sums in one fixed
+        order (jax_kv.ops.norm), and the CUDA decode kernel cuts a row's positions by its
+        length alone (jax_kv.ops.gqa_decode's BATCH_INVARIANT_SPLITS). On the CPU greedy
+        tokens then equal a request's tokens generated alone; on the GPU that is not yet shown;
+        it costs speed (bench/NOTES.md, "The batch-invariant mode").
     """
 
     min_bucket: int = 256
