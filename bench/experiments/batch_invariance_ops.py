@@ -4,6 +4,7 @@ check the batch-invariant mode's, without it for XLA's defaults)?
 
 - GEMMs as the models call them (bf16 x [M, K] @ w[N, K].T, bf16 out), SmolLM2-135M's and
   Llama-3-8B's projection shapes: rows 0-1 at M = 16 .. 2048 against the same rows at M = 2;
+  and the square ones through the models' projection with a residual add (project);
 - RMSNorm (jax_kv.ops.norm.rms_norm): row 0 among M rows against alone;
 - the packed prefill kernel (gqa_prefill_packed): a 40-token sequence alone (N = 64) against
   the same sequence as the 6th of 16 packed (N = 1024), its output rows.
@@ -17,6 +18,7 @@ import numpy as np
 
 from jax_kv import Layout, gqa_prefill_packed
 from jax_kv.config import runtime_config, step_compiler_options
+from jax_kv.models.projection import project
 from jax_kv.ops.norm import rms_norm
 
 SHAPES = {  # name: (N, K) of w
@@ -46,6 +48,14 @@ def main() -> None:
         moved = {m: int((np.asarray(matmul(x[:m], w)[:2].astype(jnp.float32)) != ref).sum())
                  for m in ROWS}  # fmt: skip
         print(f"GEMM {name}: values of rows 0-1 that differ from M = 2, by M: {moved}")
+        # The models' projection with its residual add, which XLA may fold into the GEMM
+        # (the H100's decode parted first at an o-projection with equal inputs).
+        if n == k:
+            proj = jax.jit(lambda x, w: project(x, w, residual=x), compiler_options=options)
+            ref = np.asarray(proj(x[:2], w).astype(jnp.float32))
+            moved = {m: int((np.asarray(proj(x[:m], w)[:2].astype(jnp.float32)) != ref).sum())
+                     for m in ROWS}  # fmt: skip
+            print(f"GEMM + residual {name}: values of rows 0-1 that differ from M = 2: {moved}")
 
     h = 4096
     weight = jnp.asarray(rng.standard_normal(h), jnp.bfloat16)

@@ -27,13 +27,21 @@ def matmul_rows(x: jax.Array, w: jax.Array, **kwargs: Any) -> jax.Array:
     request computed alone (Generator at batch 1) would round apart from the same request in a
     batch: on this repository's CPU one decode step's logits for a row alone and in a batch of 4
     differed in every element (SmolLM2-135M shape, bf16; bench/NOTES.md, "The batch-invariant
-    mode"). A decode step is bound by the weights' bytes, so the second row costs ~nothing."""
-    rows = x.size // max(1, x.shape[-1])
-    if rows != 1 or not runtime_config().batch_invariant:
+    mode"). A decode step is bound by the weights' bytes, so the second row costs ~nothing.
+
+    In the mode the product is also kept apart from what follows it (an optimization
+    barrier): XLA may fold a residual or bias add into the GEMM (cuBLAS's C operand, beta = 1;
+    an epilogue), a choice and a kernel that can follow the shape. On the H100 a decode row
+    alone and in a batch of 16 parted first at layer 0's o-projection with equal inputs, where
+    the same GEMM without its residual add gave equal bits at every M (bench/NOTES.md,
+    "Device session 2026-12-07 (sixteenth)"): the fold is the suspect, not yet proven."""
+    if not runtime_config().batch_invariant:
         return jnp.matmul(x, w.T, **kwargs)
+    if x.size // max(1, x.shape[-1]) != 1:
+        return jax.lax.optimization_barrier(jnp.matmul(x, w.T, **kwargs))
     row = x.reshape(1, x.shape[-1])
-    y = jnp.matmul(jnp.concatenate([row, row]), w.T, **kwargs)[:1]
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+    y = jnp.matmul(jnp.concatenate([row, row]), w.T, **kwargs)
+    return jax.lax.optimization_barrier(y)[:1].reshape(*x.shape[:-1], w.shape[0])
 
 
 def project(
