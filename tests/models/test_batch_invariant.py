@@ -101,6 +101,40 @@ def test_sum_in_fixed_order_gives_a_row_the_same_bits_in_any_array():
     print(f"\njnp.sum's row 0 differs from alone at 2, 3, 16, 17, 64 rows, [4, 16]: {xla_parts}")
 
 
+# The decode step of tiny-llama (2 layers) lowered: how many optimization barriers its program
+# holds, and the number of its projections (7 a layer: q, k, v, o, gate, up, down) plus the
+# logits'.
+BARRIERS_IN_THE_STEP = """
+import jax, jax.numpy as jnp
+import jax_kv.models as jm
+from jax_kv.layout import Layout
+from jax_kv.models import llama
+
+model = jm.random_model("tiny-llama", seed=0, dtype=jnp.bfloat16)
+config, layout = model.config, Layout.SEQ_MAJOR
+caches = llama.init_caches(config, 3, 64, layout=layout, dtype=jnp.bfloat16)
+step = jax.jit(lambda p, t, c, n: llama.decode_step(p, config, t, c, n, layout=layout)[0])
+for b in (3, 1):
+    text = step.lower(model.params, jnp.zeros(b, jnp.int32), [(k[:b], v[:b]) for k, v in caches],
+                      jnp.zeros(b, jnp.int32)).as_text()
+    print(text.count("stablehlo.optimization_barrier"), end=" ")
+print(config.num_layers)
+"""
+
+
+def test_the_mode_keeps_every_product_apart_from_what_follows_it():
+    # In the mode no residual or bias add may be folded into a GEMM (cuBLAS's C operand, an
+    # epilogue): a fold XLA chooses, and cuBLAS runs, by shape. On the H100 a row alone parted
+    # from its batch first at an o-projection with its residual add, where the bare GEMM held.
+    # The barriers are what keeps them apart; a refactor that drops one fails here, not on a
+    # GPU run months later.
+    at3, at1, layers = map(
+        int, _last_line(BARRIERS_IN_THE_STEP, JAX_KV_BATCH_INVARIANT="1").split()
+    )
+    assert at3 >= 7 * layers + 1 and at1 >= 7 * layers + 1, (at3, at1, layers)
+    assert _last_line(BARRIERS_IN_THE_STEP).split()[:2] == ["0", "0"]
+
+
 MODE_LIMITS = """
 import dataclasses
 import jax_kv.models as jm
