@@ -18,7 +18,7 @@ import pytest
 from chat_prompts import CHAT_TEXTS
 
 import jax_kv.models as jm
-from jax_kv.config import runtime_config, step_compiler_options
+from jax_kv.config import runtime_config
 from jax_kv.decode import Generator
 from jax_kv.engine import FINISH_CANCELLED, FINISH_LENGTH, Engine
 
@@ -423,22 +423,36 @@ def test_generator_under_a_one_device_mesh_keeps_its_step_and_tokens(model, rng)
     plain.close()
 
 
+SEPARATE_COLOR = "--xla_gpu_temp_buffer_use_separate_color=true"
+
+
 @pytest.fixture
-def fixed_temporaries(monkeypatch):
-    """The Engine's steps compiled with XLA's temporaries in an allocation of their own
-    (`xla_gpu_temp_buffer_use_separate_color`), at one address across calls. In the default
-    allocator they move by 0x100 bytes whenever another call's buffers are still alive
-    (measured on an H100 and an H200, bench/NOTES.md, fourteenth and fifteenth sessions), and
-    XLA then updates the recorded graph, running the handlers whose operands moved: that is
-    XLA's allocator, which jax_kv does not set (the option doubled the 0.5B decode step). The
-    replay tests check what jax_kv controls: its per-step inputs and outputs keep their
-    addresses, so the graph replays once XLA's temporaries do."""
-    import jax_kv.engine.engine as engine_module
+def fixed_temporaries(request):
+    """XLA's temporaries in an allocation of their own (`xla_gpu_temp_buffer_use_separate_color`),
+    at one address across calls. In the default allocator they move by 0x100 bytes whenever
+    another call's buffers are still alive (measured on an H100 and an H200, bench/NOTES.md,
+    fourteenth and fifteenth sessions), and XLA then updates the recorded graph, running the
+    handlers whose operands moved: that is XLA's allocator, which jax_kv does not set (the
+    option doubled the 0.5B decode step). The replay tests check what jax_kv controls: its
+    per-step inputs and outputs keep their addresses, so the graph replays once XLA's
+    temporaries do.
 
-    def options():
-        return {**step_compiler_options(), "xla_gpu_temp_buffer_use_separate_color": True}
-
-    monkeypatch.setattr(engine_module, "step_compiler_options", options)
+    The option must be in XLA_FLAGS when the process starts: given per executable (the steps'
+    compiler options) the executable's temporaries ask for a memory space the client made no
+    allocator for ("No allocator found in MultiDeviceAdapter for device ordinal 0 and memory
+    space 2", H100, jaxlib 0.11.2). A process without it runs the test in one with it and
+    returns True (the test is done); with it, returns False (run the test here)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if SEPARATE_COLOR in flags:
+        return False
+    env = dict(os.environ, XLA_FLAGS=f"{flags} {SEPARATE_COLOR}".strip())
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", request.node.nodeid],
+        env=env, cwd=request.config.rootpath, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    print(r.stdout[-3000:])
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    return True
 
 
 def assert_steps_replay(eng, steps, prefill_tokens, decode_rows, what):
@@ -480,6 +494,8 @@ def test_decode_steps_replay_the_recorded_graph(
     Serial (no call dispatched ahead, so never two calls' temporaries alive at once): on the
     H100 (8d40951) the bucketed step ran gqa_decode's host code at every call with calls
     ahead; whether it does without them tells which buffer moves."""
+    if fixed_temporaries:
+        return
     from jax_kv.memory import VmmArena
 
     arena = VmmArena(pool_bytes=0)
@@ -505,6 +521,8 @@ def test_prefill_steps_replay_the_recorded_graph(model, rng, fixed_temporaries):
     """A prompt prefilled in pieces of one bucket while other requests decode: each step is one
     call of the same compiled prefill step (the pieces and the decoding rows' tokens), whose
     graph should be replayed as the decode step's is."""
+    if fixed_temporaries:
+        return
     from jax_kv.memory import VmmArena
 
     arena = VmmArena(pool_bytes=0)
