@@ -31,10 +31,11 @@ def matmul_rows(x: jax.Array, w: jax.Array, **kwargs: Any) -> jax.Array:
 
     In the mode the product is also kept apart from what follows it (an optimization
     barrier): XLA may fold a residual or bias add into the GEMM (cuBLAS's C operand, beta = 1;
-    an epilogue), a choice and a kernel that can follow the shape. On the H100 a decode row
-    alone and in a batch of 16 parted first at layer 0's o-projection with equal inputs, where
-    the same GEMM without its residual add gave equal bits at every M (bench/NOTES.md,
-    "Device session 2026-12-07 (sixteenth)"): the fold is the suspect, not yet proven."""
+    an epilogue), a choice and a kernel that can follow the shape. On the H100, without the
+    barrier, a decode row alone and in a batch of 16 parted first at layer 0's o-projection
+    with equal inputs, where the same GEMM without its residual add gave equal bits at every
+    M; with it, every prefill logit and 4 decode steps were equal (bench/NOTES.md, "Device
+    session 2026-12-08 (seventeenth)")."""
     if not runtime_config().batch_invariant:
         return jnp.matmul(x, w.T, **kwargs)
     if x.size // max(1, x.shape[-1]) != 1:
