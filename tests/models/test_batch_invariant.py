@@ -102,8 +102,9 @@ def test_sum_in_fixed_order_gives_a_row_the_same_bits_in_any_array():
 
 
 # The decode step of tiny-llama (2 layers) lowered: how many optimization barriers its program
-# holds, and the number of its projections (7 a layer: q, k, v, o, gate, up, down) plus the
-# logits'.
+# holds at 3 rows and at 1 (7 projections a layer: q, k, v, o, gate, up, down; and the
+# logits'), and with the projections fused (4 a layer: qkv, o, gate_up, down), then the
+# number of layers.
 BARRIERS_IN_THE_STEP = """
 import jax, jax.numpy as jnp
 import jax_kv.models as jm
@@ -114,8 +115,8 @@ model = jm.random_model("tiny-llama", seed=0, dtype=jnp.bfloat16)
 config, layout = model.config, Layout.SEQ_MAJOR
 caches = llama.init_caches(config, 3, 64, layout=layout, dtype=jnp.bfloat16)
 step = jax.jit(lambda p, t, c, n: llama.decode_step(p, config, t, c, n, layout=layout)[0])
-for b in (3, 1):
-    text = step.lower(model.params, jnp.zeros(b, jnp.int32), [(k[:b], v[:b]) for k, v in caches],
+for params, b in ((model.params, 3), (model.params, 1), (llama.fuse_projections(model.params), 3)):
+    text = step.lower(params, jnp.zeros(b, jnp.int32), [(k[:b], v[:b]) for k, v in caches],
                       jnp.zeros(b, jnp.int32)).as_text()
     print(text.count("stablehlo.optimization_barrier"), end=" ")
 print(config.num_layers)
@@ -128,11 +129,11 @@ def test_the_mode_keeps_every_product_apart_from_what_follows_it():
     # from its batch first at an o-projection with its residual add, where the bare GEMM held;
     # with the barriers its logits held (bench/NOTES.md, seventeenth session). A refactor that
     # drops one, or moves one off a product, changes the count here, not on a GPU run later.
-    at3, at1, layers = map(
+    at3, at1, fused, layers = map(
         int, _last_line(BARRIERS_IN_THE_STEP, JAX_KV_BATCH_INVARIANT="1").split()
     )
-    assert at3 == at1 == 7 * layers + 1, (at3, at1, layers)
-    assert _last_line(BARRIERS_IN_THE_STEP).split()[:2] == ["0", "0"]
+    assert at3 == at1 == 7 * layers + 1 and fused == 4 * layers + 1, (at3, at1, fused, layers)
+    assert _last_line(BARRIERS_IN_THE_STEP).split()[:3] == ["0", "0", "0"]
 
 
 MODE_LIMITS = """
