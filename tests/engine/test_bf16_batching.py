@@ -23,7 +23,8 @@ from jax_kv import Engine, Generator
 N_NEW = 24
 MAX_LEN = 512
 # Two prompts whose tokens in a batch of 2 part from their tokens alone (at tokens 5 and 2 of
-# 24 on this CPU): the equalities below then say something a batching slip would break.
+# 24 on the CPU they were chosen on; not on every CPU): the equalities below then say
+# something a batching slip would break.
 TEXTS = ["Write a short story about volcanoes.", "Write a short story about a chess game."]
 
 pytestmark = pytest.mark.skipif(
@@ -80,8 +81,12 @@ def test_bf16_engine_with_all_prompts_at_once_equals_generator_on_the_batch(
     want = generator_tokens(bf16_model, chat_prompts, batch=n)
     assert all(len(t) == N_NEW for t in got)
     assert got == want
-    # Batching moved these prompts' tokens; if it stops doing so, the prompts no longer test it.
-    assert want != generator_alone
+    # Batching moved these prompts' tokens on the CPU they were chosen on; on an AMD EPYC with
+    # AVX2 and no AVX-512 (CI, 2026-12-08) XLA's CPU kernels computed the batch of 2 as each
+    # alone, so the equality above held without telling the batchings apart: say so, not pass.
+    if want == generator_alone:
+        pytest.skip("this CPU computes these prompts batched as alone: the Engine equals the "
+                    "Generator, but batching moved no token to tell it by")  # fmt: skip
 
 
 def test_steps_compile_with_the_step_compiler_options(monkeypatch):
